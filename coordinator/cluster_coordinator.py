@@ -458,6 +458,9 @@ class ClusterCoordinator:
             raise E.ConfigurationError("the cluster has no 'worker' tasks; add at least one worker to the cluster spec")
         for w in self._workers:
             w.start()
+        if strategy.replicas is not None:
+            self._ps_watch = threading.Thread(target=self._watch_replicas, name="jaxdist-replica-watch", daemon=True)
+            self._ps_watch.start()
 
     @property
     def num_workers(self) -> int:
@@ -511,6 +514,11 @@ class ClusterCoordinator:
         not back within ``timeout`` seconds, :class:`PSUnavailableError`
         surfaces from ``schedule``/``join``/``done``.
         """
+        if self.strategy.replicas is not None:
+            raise E.ConfigurationError(
+                "this cluster replicates its PS tasks (a 'ps_backup' job): failover already keeps every "
+                "acknowledged update; checkpoint-mode recovery is for clusters without backups"
+            )
         self._ps_manager = manager
         self._ps_timeout = timeout
         self._ps_poll = poll_interval
@@ -519,6 +527,8 @@ class ClusterCoordinator:
             self._ps_watch.start()
 
     def _ps_recoverable(self, err: BaseException) -> bool:
+        if self.strategy.replicas is not None:
+            return isinstance(err, E.PSUnavailableError)  # the watcher fails the shard over; then run again
         if self._ps_manager is None:
             return False
         return isinstance(err, E.PSUnavailableError) or (
@@ -581,6 +591,55 @@ class ClusterCoordinator:
             if not down_since and self._ps_paused:
                 self._ps_resume()
             time.sleep(self._ps_poll)
+
+    #: Seconds a primary may stay unreachable before its backup is promoted.
+    failover_after = 1.5
+
+    def _watch_replicas(self) -> None:
+        """Replication mode: promote the backup of a primary that stopped answering, tell the
+        workers, and re-attach a backup (full sync) wherever a primary runs without one."""
+        replicas = self.strategy.replicas
+        assert replicas is not None
+        down_since: dict[int, float] = {}
+        while not self._closed:
+            for i in range(len(replicas.pairs)):
+                alive, has_backup = replicas.status(i, timeout=max(0.5, self.failover_after / 2))
+                if not alive:
+                    first = down_since.setdefault(i, time.monotonic())
+                    self._ps_suspect(f"ps:{i}")
+                    if time.monotonic() - first >= self.failover_after:
+                        try:
+                            replicas.fail_over(i)
+                        except E.JaxdistError as e:
+                            # No backup to promote either: two failures. Wait for one to come back.
+                            logger.error("ps:%d: primary down and its backup could not be promoted: %s", i, e)
+                            continue
+                        down_since.pop(i, None)
+                        self._reconfigure_workers()
+                    continue
+                down_since.pop(i, None)
+                if not has_backup and replicas.backup_reachable(i):
+                    try:
+                        replicas.attach(i)
+                    except E.JaxdistError as e:
+                        logger.info("ps:%d: backup not attached yet: %s", i, e)
+            if not down_since and self._ps_paused:
+                self._ps_resume()
+            time.sleep(0.25)
+
+    def _reconfigure_workers(self) -> None:
+        """Give every worker the current primaries (its PS connections are rebuilt)."""
+        spec = self.strategy.cluster_resolver.cluster_spec().as_dict()
+        spec["ps"] = self.strategy.replicas.primaries()  # type: ignore[union-attr]
+        spec["ps_backup"] = [self.strategy.replicas.backup_of(i) for i in range(len(spec["ps"]))]  # type: ignore[union-attr]
+        self._cluster_json = json.dumps(spec, sort_keys=True)
+        for w in list(self._workers):
+            if w.left:
+                continue
+            try:
+                w.client.configure(w.configure_request(), timeout=10.0)
+            except E.JaxdistError as e:  # it gets the new spec when it is recovered
+                logger.info("%s not reconfigured yet: %s", w.task, e)
 
     def serve_registration(self, host: str = "127.0.0.1", port: int = 0, insecure: bool = False) -> str:
         """Serve the Coordinator service so workers can join (``jaxdist worker --register-with``)

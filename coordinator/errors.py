@@ -18,6 +18,8 @@ __all__ = [
     "TaskUnavailableError",
     "WorkerUnavailableError",
     "PSUnavailableError",
+    "NotPrimaryError",
+    "StaleEpochError",
     "RemoteError",
     "VariableNotFoundError",
     "VariableExistsError",
@@ -91,6 +93,21 @@ class PSUnavailableError(TaskUnavailableError):
     """A parameter-server task is unreachable; surfaced by schedule/join/done."""
 
     reason = "PS_UNAVAILABLE"
+
+
+class NotPrimaryError(PSUnavailableError):
+    """The PS called is not (or no longer) the primary of its shard: a backup, or a
+    primary that a promoted backup superseded. Like any unavailable PS, the
+    coordinator re-runs the closure once the shard's current primary is known."""
+
+    reason = "PS_NOT_PRIMARY"
+
+
+class StaleEpochError(JaxdistError):
+    """A replication message from an older epoch: its sender was superseded (fenced)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "STALE_EPOCH"
 
 
 class RemoteError(JaxdistError):

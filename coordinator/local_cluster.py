@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LocalCluster"]
 
-_MODULES = {"ps": "jaxdist.ps_server", "worker": "jaxdist.worker"}
+_MODULES = {"ps": "jaxdist.ps_server", "ps_backup": "jaxdist.ps_server", "worker": "jaxdist.worker"}
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _parse_task(task: str | tuple[str, int]) -> tuple[str, int]:
         return task
     role, _, idx = task.partition(":")
     if role not in _MODULES or not idx.isdigit():
-        raise ValueError(f"task must look like 'worker:0' or 'ps:1', got {task!r}")
+        raise ValueError(f"task must look like 'worker:0', 'ps:1' or 'ps_backup:1', got {task!r}")
     return role, int(idx)
 
 
@@ -94,6 +94,8 @@ class LocalCluster:
         log_dir: where task logs go (a temp dir by default; see :meth:`logs`).
         env: extra environment for the tasks.
         ps_args: extra command-line arguments for every PS task.
+        ps_backups: also start one backup PS per PS task (job ``ps_backup``):
+            the strategy then replicates every shard (primary/backup).
         tls_dir: serve mutual TLS with the certificates in this directory
             (``jaxdist certs`` layout; generated for 127.0.0.1/localhost when
             missing). While the cluster runs, this process's channels use the
@@ -114,6 +116,7 @@ class LocalCluster:
         ps_args: list[str] | None = None,
         tls_dir: str | None = None,
         metrics: bool = True,
+        ps_backups: bool = False,
     ) -> None:
         if num_workers < 0 or num_ps < 0:
             raise ConfigurationError("num_workers and num_ps must be >= 0")
@@ -128,6 +131,8 @@ class LocalCluster:
         self._previous_tls: Any = None
         self.metrics = metrics
         self._tasks = {("ps", i): _Task("ps", i) for i in range(num_ps)}
+        if ps_backups:
+            self._tasks.update({("ps_backup", i): _Task("ps_backup", i) for i in range(num_ps)})
         self._tasks.update({("worker", i): _Task("worker", i) for i in range(num_workers)})
         self._lock = threading.Lock()
         self._started = False
@@ -170,7 +175,7 @@ class LocalCluster:
         cmd = [sys.executable, "-m", _MODULES[t.role], "--port", str(t.port), "--task-index", str(t.index)]
         if self.metrics:
             cmd += ["--metrics-port", "0"]
-        if t.role == "ps":
+        if t.role in ("ps", "ps_backup"):
             cmd += self._ps_args
         cmd += extra or t.extra_args
         t.extra_args = list(extra or t.extra_args)
@@ -248,7 +253,7 @@ class LocalCluster:
     @property
     def cluster_spec(self) -> ClusterSpec:
         jobs: dict[str, list[str]] = {}
-        for role in ("ps", "worker"):
+        for role in ("ps", "ps_backup", "worker"):
             ts = sorted((t for t in self._tasks.values() if t.role == role), key=lambda t: t.index)
             if ts:
                 jobs[role] = [t.address for t in ts]

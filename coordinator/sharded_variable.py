@@ -20,7 +20,7 @@ import numpy as np
 
 from jaxdist.partitioners import shard_of_indices, shard_offsets
 from jaxdist.ps_server.client import PullSpec
-from jaxdist.variables import SparseGradient, Variable, VariableOps, pull_arrays, push_updates
+from jaxdist.variables import SparseGradient, Variable, VariableOps, gradient_array, pull, push_updates
 
 __all__ = ["ShardedVariable", "embedding_lookup"]
 
@@ -47,8 +47,8 @@ class ShardedVariable(VariableOps):
         return f"<jaxdist.ShardedVariable {self.name!r} shape={self.shape} dtype={self.dtype} shards={len(self.variables)}>"
 
     def numpy(self) -> np.ndarray:
-        """The full value (all shards pulled in parallel, concatenated)."""
-        return np.concatenate(pull_arrays(self.variables), axis=0)
+        """The full value (all shards pulled in parallel, each into its rows of one array)."""
+        return pull(self)
 
     def _split_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -108,7 +108,8 @@ class ShardedVariable(VariableOps):
 
     def _rows(self, op: str, indices: Any, rows: Any) -> list[tuple[Variable, str, np.ndarray, np.ndarray | None]]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        vals = np.asarray(rows, dtype=self.dtype).reshape((len(idx),) + self.shape[1:])
+        vals = rows if op == "sparse_apply_gradient" else np.asarray(rows, dtype=self.dtype)
+        vals = gradient_array(vals, self.dtype).reshape((len(idx),) + self.shape[1:])
         shard, local = self._split_rows(idx)
         out = []
         for s in np.unique(shard):
@@ -124,7 +125,7 @@ class ShardedVariable(VariableOps):
     def _jaxdist_shards(self, grad: np.ndarray) -> list[tuple[Variable, str, np.ndarray, np.ndarray | None]]:
         if isinstance(grad, SparseGradient):
             return self._rows("sparse_apply_gradient", grad.indices, grad.rows)
-        g = np.asarray(grad, dtype=self.dtype)
+        g = gradient_array(grad, self.dtype)  # keeps a narrow (bf16) transfer dtype
         if g.shape != self.shape:
             raise ValueError(f"gradient for {self.name!r} has shape {g.shape}, expected {self.shape}")
         return [(v, "apply_gradient", g[self._offsets[i] : self._offsets[i + 1]], None) for i, v in enumerate(self.variables)]

@@ -28,6 +28,7 @@ from jaxdist.errors import ConfigurationError
 from jaxdist.partitioners import Partitioner, shard_offsets
 from jaxdist.proto import rpc
 from jaxdist.ps_server.client import CreateSpec
+from jaxdist.replicas import ReplicaSet
 from jaxdist.sharded_variable import ShardedVariable
 
 logger = logging.getLogger(__name__)
@@ -67,7 +68,11 @@ class ParameterServerStrategy:
 
     Args:
         cluster_resolver: where the ``ps`` and ``worker`` tasks are (and the
-            auth token); see :mod:`jaxdist.cluster_resolver`.
+            auth token); see :mod:`jaxdist.cluster_resolver`. A ``ps_backup``
+            job (one task per ``ps`` task) turns on primary/backup
+            replication: every acknowledged update is on two processes, and
+            the coordinator fails a dead PS over to its backup (see
+            :mod:`jaxdist.replicas`).
         variable_partitioner: a :class:`jaxdist.partitioners.Partitioner`;
             variables it splits into k > 1 shards become ShardedVariables.
         connect_timeout: seconds to wait for every PS task to be healthy.
@@ -88,10 +93,16 @@ class ParameterServerStrategy:
             raise ConfigurationError("ParameterServerStrategy needs at least one 'worker' task in the cluster spec")
         self._token = cluster_resolver.token
         self._partitioner = variable_partitioner
-        for addr in ps:
+        backups = spec.job_tasks("ps_backup")
+        for addr in ps + backups:
             rpc.wait_healthy(addr, connect_timeout)
         self._conns = jv.PSConnections(ps, token=self._token)
         jv.set_current_connections(self._conns)
+        #: Primary/backup pairs when the cluster has a ``ps_backup`` job (replication on), else None.
+        self.replicas: ReplicaSet | None = None
+        if backups:
+            self.replicas = ReplicaSet(ps, backups, self._token, self._conns)
+            self.replicas.attach_all()
         self._counter = 0  # TF's global round-robin placement counter
         self._names: dict[str, int] = {}
         self._lock = threading.Lock()
@@ -255,12 +266,16 @@ class ParameterServerStrategy:
                 c.shutdown(reason, exit_code, timeout=2.0)
             except JaxdistError:
                 pass
+        if self.replicas is not None:
+            self.replicas.shutdown_backups(reason, exit_code)
 
     def close(self) -> None:
         """Close connections to the PS tasks (does not stop them)."""
         if not self._closed:
             self._closed = True
             self._conns.close()
+            if self.replicas is not None:
+                self.replicas.close()
 
 
 def _path_name(entry: Any) -> str:

@@ -22,6 +22,7 @@ from concurrent import futures
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxdist.errors import ConfigurationError
@@ -42,6 +43,7 @@ class PSConnections:
 
     def __init__(self, addresses: Sequence[str], token: str | None = None) -> None:
         self.addresses = list(addresses)
+        self._token = token
         self.clients = [PSClient(a, token=token, task=f"ps:{i}") for i, a in enumerate(self.addresses)]
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="jaxdist-ps-io")
 
@@ -49,6 +51,13 @@ class PSConnections:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
+
+    def replace(self, ps_index: int, address: str) -> None:
+        """Point shard ``ps_index`` at ``address`` (its promoted backup, after a failover)."""
+        old = self.clients[ps_index]
+        self.clients[ps_index] = PSClient(address, token=self._token, task=f"ps:{ps_index}")
+        self.addresses[ps_index] = address
+        old.close()  # calls still in flight on it fail as unavailable and are retried
 
     def client(self, ps_index: int) -> PSClient:
         try:
@@ -296,8 +305,12 @@ def _connections_of(variables: Sequence[Variable]) -> PSConnections:
     return found if found is not None else current_connections()
 
 
-def pull_arrays(variables: Sequence[Variable]) -> list[np.ndarray]:
-    """Pull several variables: one RPC per PS task, all PS tasks in parallel."""
+def pull_arrays(variables: Sequence[Variable], out: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+    """Pull several variables: one RPC per PS task, all PS tasks in parallel.
+
+    ``out`` optionally gives, per variable, a preallocated array (e.g. a
+    shard's rows of the full value) that receives the bytes in place.
+    """
     by_ps: dict[int, list[int]] = defaultdict(list)
     for i, v in enumerate(variables):
         by_ps[v.ps_index].append(i)
@@ -307,6 +320,7 @@ def pull_arrays(variables: Sequence[Variable]) -> list[np.ndarray]:
             lambda c, idxs=idxs: c.pull(
                 [PullSpec(variables[i].name) for i in idxs],
                 timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+                out=None if out is None else [out[i] for i in idxs],
             )
         )
         for ps, idxs in by_ps.items()
@@ -326,28 +340,83 @@ def pull(tree: Any) -> Any:
     call per task.
     """
     leaves, treedef = _leaves(tree)
-    flat = _expand(leaves)
-    values = iter(pull_arrays([v for v in flat if isinstance(v, Variable)]))
-    pulled = [next(values) if isinstance(v, Variable) else v for v in flat]
-    return jax.tree.unflatten(treedef, _collapse(leaves, pulled))
+    flat: list[Any] = []
+    outs: list[np.ndarray | None] = []
+    fulls: list[Any] = []  # per leaf: the preallocated full value of a sharded variable, else None
+    for leaf in leaves:
+        if hasattr(leaf, "_jaxdist_shards"):
+            # Shards are dim-0 row ranges: each is received straight into its rows
+            # of one preallocated array, so no concatenation copy follows.
+            full = np.empty(leaf.shape, leaf.dtype)
+            fulls.append(full)
+            flat.extend(leaf.variables)
+            outs.extend(full[a:b] for a, b in zip(leaf._offsets[:-1], leaf._offsets[1:]))
+        else:
+            fulls.append(None)
+            flat.append(leaf)
+            outs.append(None)
+    is_var = [isinstance(v, Variable) for v in flat]
+    values = iter(pull_arrays([v for v, b in zip(flat, is_var) if b], [o for o, b in zip(outs, is_var) if b]))
+    pulled = [next(values) if b else v for v, b in zip(flat, is_var)]
+    return jax.tree.unflatten(treedef, _collapse(leaves, pulled, fulls))
+
+
+_GRADIENT_OPS = frozenset({"apply_gradient", "sparse_apply_gradient"})
+#: Float dtypes a gradient may travel in when narrower than its variable (the PS widens it).
+_NARROW_FLOATS = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
+
+
+def _is_narrow(grad_dtype: np.dtype, var_dtype: np.dtype) -> bool:
+    return grad_dtype in _NARROW_FLOATS and var_dtype.kind == "f" and var_dtype.itemsize > grad_dtype.itemsize
+
+
+def gradient_array(grad: Any, var_dtype: np.dtype, transfer_dtype: np.dtype | None = None) -> np.ndarray:
+    """``grad`` as the numpy array to push for a variable of ``var_dtype``.
+
+    A gradient already in a narrower float dtype (bfloat16, float16) travels
+    as it is; with ``transfer_dtype`` a wider one is cast to it first (by XLA
+    when it is a JAX array). Anything else is cast to ``var_dtype``.
+    """
+    if transfer_dtype is not None and _is_narrow(transfer_dtype, var_dtype) and not _is_narrow(np.dtype(grad.dtype), var_dtype):
+        grad = grad.astype(transfer_dtype)
+    arr = np.asarray(grad)
+    return arr if _is_narrow(arr.dtype, var_dtype) else np.asarray(arr, dtype=var_dtype)
 
 
 def push_updates(pairs: Sequence[tuple[Variable, str, np.ndarray, np.ndarray | None]]) -> None:
-    """Push ``(variable, op, value, indices)`` updates: one atomic push per PS task, in parallel."""
+    """Push ``(variable, op, value, indices)`` updates: one atomic push per PS task, in parallel.
+
+    Values are cast to their variable's dtype, except gradients in a narrower
+    float dtype (bfloat16/float16 transfer), which the PS widens.
+    """
     by_ps: dict[int, list[PushSpec]] = defaultdict(list)
     for var, op, value, idx in pairs:
-        by_ps[var.ps_index].append(PushSpec(var.name, op, np.asarray(value, dtype=var.dtype), idx))
+        arr = np.asarray(value)
+        if not (op in _GRADIENT_OPS and _is_narrow(arr.dtype, var.dtype)):
+            arr = np.asarray(arr, dtype=var.dtype)
+        by_ps[var.ps_index].append(PushSpec(var.name, op, arr, idx))
     update_id = _next_update_id()
     _connections_of([var for var, *_ in pairs]).fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
 
 
-def apply_gradients(variables: Any, grads: Any) -> None:
+def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> None:
     """Push ``grads`` (same tree structure as ``variables``) to the PS, which applies each variable's optimizer.
 
     One atomic push per PS task, all in parallel. Inside a closure the push
     carries the closure's identity, so a re-executed closure never applies
     it twice. ``None`` gradients (and non-trainable variables) are skipped.
+
+    ``transfer_dtype`` (``jnp.bfloat16`` or ``float16``) sends dense and
+    sparse gradients of wider float variables in that dtype, halving the
+    bytes pushed; the PS widens them back and runs the optimizer in the
+    variable's dtype, so only the gradient's rounding changes (bf16 keeps
+    float32's range and ~3 significant digits). Gradients already in such a
+    dtype travel as they are, with or without this option; casting inside
+    the jitted gradient function is the cheapest way.
     """
+    td = None if transfer_dtype is None else np.dtype(transfer_dtype)
+    if td is not None and td not in _NARROW_FLOATS:
+        raise ValueError(f"transfer_dtype must be bfloat16 or float16, got {td}")
     vleaves, vdef = _leaves(variables)
     gleaves = vdef.flatten_up_to(grads)
     pairs: list[tuple[Variable, str, np.ndarray, np.ndarray | None]] = []
@@ -356,35 +425,32 @@ def apply_gradients(variables: Any, grads: Any) -> None:
             continue
         if not getattr(v, "trainable", True):
             continue
+        if isinstance(g, SparseGradient):
+            g = SparseGradient(g.indices, gradient_array(g.rows, v.dtype, td))
+        elif hasattr(v, "_jaxdist_shards") or isinstance(v, Variable):
+            g = gradient_array(g, v.dtype, td)
         if hasattr(v, "_jaxdist_shards"):
             pairs.extend(v._jaxdist_shards(g))  # sharded variables split the gradient per shard
         elif isinstance(v, Variable):
             if isinstance(g, SparseGradient):
                 pairs.append((v, "sparse_apply_gradient", g.rows.reshape((len(g.indices),) + v.shape[1:]), g.indices))
             else:
-                pairs.append((v, "apply_gradient", np.asarray(g), None))
+                pairs.append((v, "apply_gradient", g, None))
         else:
             raise TypeError(f"apply_gradients: leaf {v!r} is not a jaxdist Variable")
     if pairs:
         push_updates(pairs)
 
 
-def _expand(leaves: list[Any]) -> list[Any]:
-    out: list[Any] = []
-    for leaf in leaves:
-        if hasattr(leaf, "_jaxdist_shards"):
-            out.extend(leaf.variables)
-        else:
-            out.append(leaf)
-    return out
-
-
-def _collapse(leaves: list[Any], pulled: list[Any]) -> list[Any]:
+def _collapse(leaves: list[Any], pulled: list[Any], fulls: list[Any]) -> list[Any]:
     it = iter(pulled)
     out = []
-    for leaf in leaves:
+    for leaf, full in zip(leaves, fulls):
         if hasattr(leaf, "_jaxdist_shards"):
-            out.append(np.concatenate([next(it) for _ in leaf.variables], axis=0))
+            for (a, b), part in zip(zip(leaf._offsets[:-1], leaf._offsets[1:]), (next(it) for _ in leaf.variables)):
+                if not np.may_share_memory(part, full):
+                    full[a:b] = part  # the PS sent another shape/dtype than expected: copy (rare)
+            out.append(full)
         else:
             out.append(next(it))
     return out

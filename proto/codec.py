@@ -3,7 +3,7 @@
 Large payloads travel as raw frames (see ``ps.proto``): a header message, then
 the tensors' bytes concatenated and cut into chunks of at most
 :data:`CHUNK_BYTES`. :func:`iter_frames` produces those chunks with one copy per
-byte (numpy buffer -> ``bytes``); :class:`FrameReader` writes incoming chunks
+byte (numpy buffers -> one ``bytes`` per frame); :class:`FrameReader` writes incoming chunks
 straight into preallocated numpy arrays (one copy per byte) and detects
 truncated or over-long streams exactly.
 """
@@ -22,9 +22,6 @@ from jaxdist.proto import common_pb2
 #: Frames carry at most this many payload bytes. gRPC moves 1-4 MiB streamed
 #: chunks ~3x faster than one huge unary message on this kind of machine.
 CHUNK_BYTES = 4 << 20
-
-#: Tensors smaller than this are packed together into one frame.
-_COALESCE_BELOW = 256 << 10
 
 _NP_TO_PROTO: dict[np.dtype, int] = {
     np.dtype(np.float32): common_pb2.FLOAT32,
@@ -137,38 +134,33 @@ def tensor_from_proto(t: common_pb2.Tensor, max_bytes: int | None = None) -> np.
 
 
 def iter_frames(arrays: Iterable[np.ndarray], chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-    """Yield the arrays' bytes, concatenated, in frames of at most ``chunk_bytes``.
+    """Yield the arrays' bytes, concatenated, in frames of exactly ``chunk_bytes`` (the last may be shorter).
 
-    Small arrays are packed into shared frames so a push of many tiny
-    variables costs a few messages, not one per variable.
+    Each frame is built by one ``bytes.join`` over memoryview slices of the
+    arrays, so every payload byte is copied exactly once here (gRPC needs a
+    ``bytes`` object per message). Small arrays share frames, so a push of
+    many tiny variables costs a few messages, not one per variable. The
+    arrays must stay unmodified until the generator is exhausted.
     """
-    pending = bytearray()
+    parts: list[memoryview] = []
+    size = 0
     for arr in arrays:
         mv = memoryview(_byte_view(arr))
-        n = len(mv)
-        if n == 0:
-            continue
-        if n < _COALESCE_BELOW:
-            pending += mv
-            while len(pending) >= chunk_bytes:
-                yield bytes(pending[:chunk_bytes])
-                del pending[:chunk_bytes]
-            continue
-        pos = 0
-        if pending:  # top the pending frame up so frame boundaries stay full-sized
-            take = min(chunk_bytes - len(pending), n)
-            pending += mv[:take]
-            pos = take
-            if len(pending) >= chunk_bytes:
-                yield bytes(pending)
-                pending = bytearray()
-        while n - pos >= chunk_bytes:
-            yield mv[pos : pos + chunk_bytes].tobytes()
-            pos += chunk_bytes
-        if pos < n:
-            pending += mv[pos:]
-    if pending:
-        yield bytes(pending)
+        pos, n = 0, len(mv)
+        while pos < n:
+            take = min(chunk_bytes - size, n - pos)
+            parts.append(mv[pos : pos + take])
+            size += take
+            pos += take
+            if size == chunk_bytes:
+                yield b"".join(parts)
+                parts, size = [], 0
+    if parts:
+        yield b"".join(parts)
+
+
+def _fits(arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> bool:
+    return arr.shape == tuple(shape) and arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.writeable
 
 
 def _byte_view(arr: np.ndarray) -> np.ndarray:
@@ -182,8 +174,17 @@ class FrameReader:
     Call :meth:`feed` for each frame and :meth:`finish` after the last one.
     """
 
-    def __init__(self, specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> None:
-        self.arrays = [np.empty(shape, dtype) for shape, dtype in specs]
+    def __init__(
+        self, specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None
+    ) -> None:
+        """``out`` optionally gives, per spec, a writable C-contiguous array to fill in place
+        (e.g. a shard's rows of a preallocated full variable); one that does not
+        match its spec's shape and dtype is ignored and a new array is allocated."""
+        outs = list(out) if out is not None else [None] * len(specs)
+        self.arrays = [
+            o if o is not None and _fits(o, shape, dtype) else np.empty(shape, dtype)
+            for (shape, dtype), o in zip(specs, outs + [None] * (len(specs) - len(outs)))
+        ]
         self._views = [memoryview(_byte_view(a)) if a.nbytes else None for a in self.arrays]
         self._idx = 0
         self._pos = 0

@@ -28,6 +28,12 @@ class IfExists(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FAIL: _ClassVar[IfExists]
     KEEP: _ClassVar[IfExists]
     REPLACE: _ClassVar[IfExists]
+
+class ReplicaKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REPLICA_UPDATE: _ClassVar[ReplicaKind]
+    REPLICA_INSTALL: _ClassVar[ReplicaKind]
+    REPLICA_DELETE: _ClassVar[ReplicaKind]
 OP_UNSPECIFIED: UpdateOp
 CREATE: UpdateOp
 ASSIGN: UpdateOp
@@ -43,6 +49,9 @@ SPARSE_APPLY_GRADIENT: UpdateOp
 FAIL: IfExists
 KEEP: IfExists
 REPLACE: IfExists
+REPLICA_UPDATE: ReplicaKind
+REPLICA_INSTALL: ReplicaKind
+REPLICA_DELETE: ReplicaKind
 
 class RawFrame(_message.Message):
     __slots__ = ("data",)
@@ -233,3 +242,67 @@ class RestoreResponse(_message.Message):
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     restored: int
     def __init__(self, restored: _Optional[int] = ...) -> None: ...
+
+class InstallEntry(_message.Message):
+    __slots__ = ("name", "value", "version", "optimizer", "optimizer_digest", "state")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: _common_pb2.TensorSpec
+    version: int
+    optimizer: bytes
+    optimizer_digest: str
+    state: _containers.RepeatedCompositeFieldContainer[_common_pb2.TensorSpec]
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., state: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
+
+class ReplicaHeader(_message.Message):
+    __slots__ = ("epoch", "kind", "push", "installs", "deletes", "full_sync", "applied_ids")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    INSTALLS_FIELD_NUMBER: _ClassVar[int]
+    DELETES_FIELD_NUMBER: _ClassVar[int]
+    FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    kind: ReplicaKind
+    push: PushHeader
+    installs: _containers.RepeatedCompositeFieldContainer[InstallEntry]
+    deletes: _containers.RepeatedScalarFieldContainer[str]
+    full_sync: bool
+    applied_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, epoch: _Optional[int] = ..., kind: _Optional[_Union[ReplicaKind, str]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., installs: _Optional[_Iterable[_Union[InstallEntry, _Mapping]]] = ..., deletes: _Optional[_Iterable[str]] = ..., full_sync: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetBackupRequest(_message.Message):
+    __slots__ = ("address", "epoch")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    epoch: int
+    def __init__(self, address: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class SetBackupResponse(_message.Message):
+    __slots__ = ("variables", "bytes")
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    variables: int
+    bytes: int
+    def __init__(self, variables: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class PromoteRequest(_message.Message):
+    __slots__ = ("epoch",)
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    def __init__(self, epoch: _Optional[int] = ...) -> None: ...
+
+class PromoteResponse(_message.Message):
+    __slots__ = ("epoch", "variables")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    variables: int
+    def __init__(self, epoch: _Optional[int] = ..., variables: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,21 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_common__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.Replicate = channel.stream_unary(
+                '/jaxdist.ParameterServer/Replicate',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.PushResponse.FromString,
+                _registered_method=True)
+        self.SetBackup = channel.unary_unary(
+                '/jaxdist.ParameterServer/SetBackup',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.SetBackupRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.SetBackupResponse.FromString,
+                _registered_method=True)
+        self.Promote = channel.unary_unary(
+                '/jaxdist.ParameterServer/Promote',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -133,6 +148,29 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Replicate(self, request_iterator, context):
+        """Primary/backup replication (see ps_server/replication.py).
+        Primary -> backup. Request stream: ReplicaHeader frame, then raw data frames.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetBackup(self, request, context):
+        """Coordinator -> primary: copy every variable to this backup (full sync), then
+        forward every change to it before acknowledging the change.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Promote(self, request, context):
+        """Coordinator -> backup: become the primary of the shard from `epoch` on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +213,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_common__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'Replicate': grpc.stream_unary_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'SetBackup': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetBackup,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.SetBackupRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.SetBackupResponse.SerializeToString,
+            ),
+            'Promote': grpc.unary_unary_rpc_method_handler(
+                    servicer.Promote,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -393,6 +446,87 @@ class ParameterServer:
             '/jaxdist.ParameterServer/Shutdown',
             jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.SerializeToString,
             jaxdist_dot_proto_dot_common__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/jaxdist.ParameterServer/Replicate',
+            jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetBackup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/SetBackup',
+            jaxdist_dot_proto_dot_ps__pb2.SetBackupRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.SetBackupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Promote(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/Promote',
+            jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
             options,
             channel_credentials,
             insecure,

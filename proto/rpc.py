@@ -99,6 +99,10 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.http2.max_pings_without_data", 0),
         # Each client object gets its own TCP connection (parallel streams to one PS).
         ("grpc.use_local_subchannel_pool", 1),
+        # Server-streaming calls (Pull) are read in the calling thread instead of
+        # starting a channel-spin thread per call: a thread start per pull was
+        # ~15% of a 4 MB pull's client time (py-spy).
+        ("grpc.experimental.single_threaded_unary_stream", 1),
     ]
 
 

@@ -30,6 +30,8 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
         E.AuthenticationError,
         E.StaleFunctionError,
         E.WorkerRestartedError,
+        E.NotPrimaryError,
+        E.StaleEpochError,
     )
 }
 

@@ -104,6 +104,9 @@ class PSClient:
         self._shutdown = rpc.unary_method(ch, _SVC + "Shutdown", common_pb2.ShutdownRequest, common_pb2.ShutdownResponse)
         self._save = rpc.unary_method(ch, _SVC + "Save", ps_pb2.SaveRequest, ps_pb2.SaveResponse)
         self._restore = rpc.unary_method(ch, _SVC + "Restore", ps_pb2.RestoreRequest, ps_pb2.RestoreResponse)
+        self._replicate = ch.stream_unary(_SVC + "Replicate", response_deserializer=ps_pb2.PushResponse.FromString)
+        self._set_backup = rpc.unary_method(ch, _SVC + "SetBackup", ps_pb2.SetBackupRequest, ps_pb2.SetBackupResponse)
+        self._promote = rpc.unary_method(ch, _SVC + "Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
 
     def close(self) -> None:
         if self._own_channel:
@@ -119,8 +122,14 @@ class PSClient:
         return error_from_rpc(e, self.task, "ps")
 
     # -------------------------------------------------------------------- pull
-    def pull(self, specs: Sequence[PullSpec], timeout: float | None = None) -> list[tuple[np.ndarray | None, int]]:
-        """Read variables; returns ``(array or None if not modified, version)`` per spec."""
+    def pull(
+        self, specs: Sequence[PullSpec], timeout: float | None = None, out: Sequence[np.ndarray | None] | None = None
+    ) -> list[tuple[np.ndarray | None, int]]:
+        """Read variables; returns ``(array or None if not modified, version)`` per spec.
+
+        ``out`` optionally gives, per spec, an array to receive the value in
+        place (it is returned when it matches the variable's shape and dtype).
+        """
         req = ps_pb2.PullRequest()
         for s in specs:
             e = req.entries.add(name=s.name, known_version=s.known_version if s.known_version >= 0 else 0)
@@ -130,8 +139,9 @@ class PSClient:
         try:
             stream = self._pull(req, metadata=self._md, timeout=timeout or _BASE_DEADLINE_S * 6)
             header = ps_pb2.PullHeader.FromString(next(stream))
-            wanted = [(tuple(p.spec.shape), codec.dtype_from_proto(p.spec.dtype)) for p in header.entries if not p.not_modified]
-            reader = codec.FrameReader(wanted)
+            sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
+            wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
+            reader = codec.FrameReader(wanted, None if out is None else [out[i] if i < len(out) else None for i in sent])
             for frame in stream:
                 reader.feed(frame)
             arrays = iter(reader.finish())
@@ -140,14 +150,14 @@ class PSClient:
         return [(None if p.not_modified else next(arrays), p.version) for p in header.entries]
 
     # -------------------------------------------------------------------- push
-    def _stream(self, header: ps_pb2.PushHeader, arrays: list[np.ndarray]) -> Iterator[bytes]:
+    def _stream(self, header: Any, arrays: list[np.ndarray]) -> Iterator[bytes]:
         yield header.SerializeToString()
         yield from codec.iter_frames(arrays)
 
-    def _send(self, header: ps_pb2.PushHeader, arrays: list[np.ndarray], timeout: float | None) -> ps_pb2.PushResponse:
+    def _send(self, header: Any, arrays: list[np.ndarray], timeout: float | None, method: Any = None) -> ps_pb2.PushResponse:
         nbytes = sum(a.nbytes for a in arrays)
         try:
-            return self._push(self._stream(header, arrays), metadata=self._md, timeout=timeout or deadline_for(nbytes))
+            return (method or self._push)(self._stream(header, arrays), metadata=self._md, timeout=timeout or deadline_for(nbytes))
         except grpc.RpcError as e:
             raise self._error(e) from None
 
@@ -186,6 +196,25 @@ class PSClient:
             if s.optimizer is not None:
                 e.optimizer, e.optimizer_digest = optimizer_payload(s.optimizer)
         return list(self._send(header, arrays, timeout).versions)
+
+    # ------------------------------------------------------------- replication
+    def replicate(self, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray], timeout: float | None = None) -> None:
+        """Send one replication message (primary -> backup); see :mod:`jaxdist.ps_server.replication`."""
+        self._send(header, arrays, timeout, method=self._replicate)
+
+    def set_backup(self, address: str, epoch: int, timeout: float = 600.0) -> ps_pb2.SetBackupResponse:
+        """Attach ``address`` as this primary's backup (full sync first; ``""`` detaches)."""
+        try:
+            return self._set_backup(ps_pb2.SetBackupRequest(address=address, epoch=epoch), metadata=self._md, timeout=timeout)
+        except grpc.RpcError as e:
+            raise self._error(e) from None
+
+    def promote(self, epoch: int, timeout: float = 10.0) -> int:
+        """Make this backup the primary at ``epoch``; returns its epoch."""
+        try:
+            return self._promote(ps_pb2.PromoteRequest(epoch=epoch), metadata=self._md, timeout=timeout).epoch
+        except grpc.RpcError as e:
+            raise self._error(e) from None
 
     # -------------------------------------------------------------- checkpoint
     def save(self, directory: str, file_name: str, timeout: float = 600.0) -> ps_pb2.SaveResponse:

@@ -45,6 +45,8 @@ class Optimizer:
         self._lock = threading.Lock()
 
         def step(param: jax.Array, state: Any, grad: jax.Array) -> tuple[jax.Array, Any]:
+            # Gradients may arrive narrower (bf16 transfer); the update runs in the param's dtype.
+            grad = grad.astype(param.dtype)
             updates, new_state = tx.update(grad, state, param)
             return optax.apply_updates(param, updates), new_state
 

@@ -42,7 +42,7 @@ class ParameterServer:
         metrics: MetricsExporter | None = None,
     ) -> None:
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
-        self.servicer = ParameterServerServicer(self.store, task_index)
+        self.servicer = ParameterServerServicer(self.store, task_index, token=token)
         self.server = rpc.Server(host, port, token=token, insecure=insecure, max_message_bytes=max_message_bytes, tls=tls,
                                  metrics_registry=metrics.registry if metrics is not None else None)
         self.server.add_service(SERVICE, self.servicer.handlers())
@@ -65,6 +65,7 @@ class ParameterServer:
 
     def stop(self, grace: float | None = 1.0) -> None:
         self.server.stop(grace)
+        self.servicer.close()
 
     def __enter__(self) -> ParameterServer:
         self.start()

@@ -18,25 +18,14 @@ import numpy as np
 
 from jaxdist.errors import InvalidRequestError
 from jaxdist.proto import codec, common_pb2, ps_pb2, rpc
+from jaxdist.ps_server import replication as repl
 from jaxdist.ps_server.optimizer import Optimizer
-from jaxdist.ps_server.store import IfExists, Op, Update, VariableStore
+from jaxdist.ps_server.store import IfExists, VariableStore
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "jaxdist.ParameterServer"
 
-_OPS = {
-    ps_pb2.ASSIGN: Op.ASSIGN,
-    ps_pb2.ASSIGN_ADD: Op.ASSIGN_ADD,
-    ps_pb2.ASSIGN_SUB: Op.ASSIGN_SUB,
-    ps_pb2.APPLY_GRADIENT: Op.APPLY_GRADIENT,
-    ps_pb2.SCATTER_UPDATE: Op.SCATTER_UPDATE,
-    ps_pb2.SCATTER_ADD: Op.SCATTER_ADD,
-    ps_pb2.SCATTER_SUB: Op.SCATTER_SUB,
-    ps_pb2.SCATTER_MIN: Op.SCATTER_MIN,
-    ps_pb2.SCATTER_MAX: Op.SCATTER_MAX,
-    ps_pb2.SPARSE_APPLY_GRADIENT: Op.SPARSE_APPLY_GRADIENT,
-}
 
 
 def _unpickle(blob: bytes, what: str) -> Any:
@@ -49,9 +38,14 @@ def _unpickle(blob: bytes, what: str) -> Any:
 class ParameterServerServicer:
     """Serves one PS task. ``shutdown_event`` is set by the Shutdown RPC."""
 
-    def __init__(self, store: VariableStore, task_index: int = 0) -> None:
+    def __init__(self, store: VariableStore, task_index: int = 0, token: str | None = None) -> None:
         self.store = store
         self.task_index = task_index
+        self.task = f"ps:{task_index}"
+        self._token = token  # for calls to this PS's backup
+        self._backup_client: Any = None  # PSClient to the attached backup
+        self._optimizer_blobs: dict[str, bytes] = {}
+        self.replication = repl.Replication(store, self._send_replica, self._optimizer_blob)
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
@@ -72,7 +66,16 @@ class ParameterServerServicer:
             "Save": rpc.unary_handler("Save", ps_pb2.SaveRequest.FromString, self.save),
             "Restore": rpc.unary_handler("Restore", ps_pb2.RestoreRequest.FromString, self.restore),
             "Shutdown": rpc.unary_handler("Shutdown", common_pb2.ShutdownRequest.FromString, self.shutdown),
+            "Replicate": rpc.stream_in_handler("Replicate", self.replicate),
+            "SetBackup": rpc.unary_handler("SetBackup", ps_pb2.SetBackupRequest.FromString, self.set_backup),
+            "Promote": rpc.unary_handler("Promote", ps_pb2.PromoteRequest.FromString, self.promote),
         }
+
+    def close(self) -> None:
+        """Close the channel to the backup, if any."""
+        client, self._backup_client = self._backup_client, None
+        if client is not None:
+            client.close()
 
     def _count(self, **kv: float) -> None:
         with self._stats_lock:
@@ -86,6 +89,7 @@ class ParameterServerServicer:
 
     # -------------------------------------------------------------------- pull
     def pull(self, req: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        self.replication.check_primary(self.task)
         entries = list(req.entries)
         max_idx = self.store.max_variable_bytes
         indices = [codec.tensor_from_proto(e.indices, max_idx) if e.has_indices else None for e in entries]
@@ -114,6 +118,7 @@ class ParameterServerServicer:
             first = next(frames)
         except StopIteration:
             raise InvalidRequestError("empty Push stream: the first frame must be a PushHeader") from None
+        self.replication.check_primary(self.task)
         header = ps_pb2.PushHeader.FromString(first)
         if not header.entries:
             raise InvalidRequestError("PushHeader has no entries")
@@ -134,17 +139,9 @@ class ParameterServerServicer:
             if not all(creates):
                 raise InvalidRequestError("a push either creates variables or updates them, not both")
             versions = [self._create(e, next(arrays) if e.has_value else None) for e in header.entries]
+            self.replication.forward_install([e.name for e in header.entries])
             return ps_pb2.PushResponse(versions=versions)
-        updates = []
-        for e in header.entries:
-            op = _OPS.get(e.op)
-            if op is None:
-                raise InvalidRequestError(f"unknown update op {e.op} for variable {e.name!r}")
-            if not e.has_value:
-                raise InvalidRequestError(f"{op.value} on {e.name!r} carries no value")
-            value = next(arrays)
-            idx = next(arrays) if e.has_indices else None
-            updates.append(Update(e.name, op, value, idx))
+        updates = repl.decode_updates(header, arrays)
         self._count_variables("pushed", ((u.name, u.value.nbytes) for u in updates))
         versions, dup = self.store.apply(updates, header.update_id)
         if dup:
@@ -167,7 +164,13 @@ class ParameterServerServicer:
         except TypeError as e:
             raise InvalidRequestError(str(e)) from None
         with self._opt_lock:
+            self._optimizer_blobs.setdefault(real, blob)
             return self._optimizers.setdefault(real, opt)
+
+    def _optimizer_blob(self, opt: Optimizer) -> bytes:
+        with self._opt_lock:
+            blob = self._optimizer_blobs.get(opt.digest)
+        return blob if blob is not None else cloudpickle.dumps(opt.tx)
 
     def _create(self, e: ps_pb2.UpdateEntry, value: np.ndarray | None) -> int:
         init = _unpickle(e.initializer, "initializer") if e.initializer else None
@@ -230,8 +233,10 @@ class ParameterServerServicer:
                 staged.append((e.name, value, opt, state))
         finally:
             reader.close()
+        self.replication.check_primary(self.task)
         for name, value, opt, state in staged:  # install only once every entry was read and verified
             self.store.install(name, value, opt, state)
+        self.replication.forward_install([name for name, *_ in staged])
         return ps_pb2.RestoreResponse(restored=len(staged))
 
     # ----------------------------------------------------------------- control
@@ -243,7 +248,9 @@ class ParameterServerServicer:
         return out
 
     def delete_variables(self, req: ps_pb2.DeleteVariablesRequest, context: grpc.ServicerContext) -> common_pb2.Empty:
+        self.replication.check_primary(self.task)
         self.store.delete(list(req.names))
+        self.replication.forward_delete(list(req.names))
         return common_pb2.Empty()
 
     def get_status(self, req: common_pb2.Empty, context: grpc.ServicerContext) -> common_pb2.TaskStatus:
@@ -251,6 +258,12 @@ class ParameterServerServicer:
             counters = dict(self.stats)
         counters["variables"] = float(len(self.store.info()))
         counters["updates_applied"] = float(self.store.updates_applied)
+        r = self.replication
+        counters["replica_role"] = {"primary": 0.0, "backup": 1.0, "deposed": 2.0}[r.role]
+        counters["replica_epoch"] = float(r.epoch)
+        counters["replica_has_backup"] = 1.0 if r.backup else 0.0
+        counters["replica_forwarded"] = float(r.forwarded)
+        counters["replica_degraded"] = float(r.degraded_events)
         return common_pb2.TaskStatus(
             role="ps", index=self.task_index, incarnation=self.incarnation,
             uptime_s=time.monotonic() - self.started, counters=counters,
@@ -261,3 +274,35 @@ class ParameterServerServicer:
         self.exit_code = req.exit_code
         self.shutdown_event.set()
         return common_pb2.ShutdownResponse()
+
+    # ------------------------------------------------------------- replication
+    def _send_replica(self, address: str, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray]) -> None:
+        from jaxdist.ps_server.client import PSClient
+
+        client = self._backup_client
+        if client is None or client.address != address:
+            old, client = client, PSClient(address, token=self._token, task=f"backup of {self.task}")
+            self._backup_client = client
+            if old is not None:
+                old.close()
+        client.replicate(header, arrays)
+
+    def replicate(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        try:
+            first = next(frames)
+        except StopIteration:
+            raise InvalidRequestError("empty Replicate stream: the first frame must be a ReplicaHeader") from None
+        header = ps_pb2.ReplicaHeader.FromString(first)
+        reader = codec.FrameReader(repl.payload_specs(header, self.store.max_variable_bytes))
+        for frame in frames:
+            reader.feed(frame)
+        self.replication.accept(header, reader.finish(), self._optimizer)
+        return ps_pb2.PushResponse()
+
+    def set_backup(self, req: ps_pb2.SetBackupRequest, context: grpc.ServicerContext) -> ps_pb2.SetBackupResponse:
+        n, nbytes = self.replication.attach(req.address, req.epoch)
+        return ps_pb2.SetBackupResponse(variables=n, bytes=nbytes)
+
+    def promote(self, req: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
+        epoch = self.replication.promote(req.epoch)
+        return ps_pb2.PromoteResponse(epoch=epoch, variables=len(self.store.info()))

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jaxdist.errors import (
@@ -60,6 +61,21 @@ class Op(enum.Enum):
 SPARSE_OPS = frozenset(
     {Op.SCATTER_UPDATE, Op.SCATTER_ADD, Op.SCATTER_SUB, Op.SCATTER_MIN, Op.SCATTER_MAX, Op.SPARSE_APPLY_GRADIENT}
 )
+
+
+#: Gradients may travel in these narrower float dtypes (bf16 transfer): the
+#: optimizer widens them to the variable's dtype before it runs.
+_NARROW_GRADIENT_DTYPES = frozenset({np.dtype("float16"), np.dtype(ml_dtypes.bfloat16)})
+
+
+def _is_narrow_gradient(op: Op, value_dtype: np.dtype, var_dtype: np.dtype) -> bool:
+    """A gradient pushed in a narrower float dtype than its (floating) variable: allowed."""
+    return (
+        op in (Op.APPLY_GRADIENT, Op.SPARSE_APPLY_GRADIENT)
+        and value_dtype in _NARROW_GRADIENT_DTYPES
+        and var_dtype.kind == "f"
+        and var_dtype.itemsize > value_dtype.itemsize
+    )
 
 _SCATTER_UFUNC: dict[Op, Callable[..., Any]] = {
     Op.SCATTER_ADD: np.add.at,
@@ -134,6 +150,11 @@ class VariableStore:
         self._dedupe_capacity = dedupe_capacity
         self.updates_applied = 0
         self.duplicates_dropped = 0
+        #: Called with ``(updates, update_id)`` after a push is applied, while its
+        #: variables' locks are still held (so pushes to one variable reach it in
+        #: the order they were applied here). Replication forwards the push to the
+        #: backup from here; if it raises, the push is not acknowledged.
+        self.replicate: Callable[[Sequence[Update], str], None] | None = None
 
     # ------------------------------------------------------------------ create
     def create(
@@ -212,13 +233,17 @@ class VariableStore:
         return var.shape, var.dtype
 
     @contextmanager
-    def frozen(self) -> Iterator[list[tuple[str, np.ndarray, Any, int]]]:
-        """Hold every variable's lock: a consistent snapshot ``(name, value, opt_state, version)``.
+    def frozen(self, names: Sequence[str] | None = None) -> Iterator[list[tuple[str, np.ndarray, Any, int]]]:
+        """Hold every variable's lock (or those of ``names``): a consistent snapshot
+        ``(name, value, opt_state, version)``.
 
         No push is half in it: pushes take their locks atomically.
         """
         with self._lock:
-            vars_ = sorted(self._vars.values(), key=lambda v: v.name)
+            if names is None:
+                vars_ = sorted(self._vars.values(), key=lambda v: v.name)
+            else:
+                vars_ = sorted({n: self._get(n) for n in names}.values(), key=lambda v: v.name)
         with ExitStack() as stack:
             for v in vars_:
                 stack.enter_context(v.lock)
@@ -233,6 +258,23 @@ class VariableStore:
             var.opt_state = opt_state if opt_state is not None else optimizer.init(value)
         with self._lock:
             self._vars[name] = var
+
+    def applied_ids(self) -> list[str]:
+        """Update ids applied here (oldest first), for a backup's dedupe table."""
+        with self._lock:
+            return list(self._applied)
+
+    def replace_all(self, variables: Sequence[tuple[str, np.ndarray, Optimizer | None, Any, int]], applied_ids: Sequence[str]) -> None:
+        """Become exactly ``variables`` ``(name, value, optimizer, opt_state, version)``
+        with ``applied_ids`` as the dedupe table (a backup's full sync)."""
+        fresh = {}
+        for name, value, optimizer, opt_state, version in variables:
+            value = np.array(value, copy=True, order="C")
+            fresh[name] = _Variable(name=name, shape=tuple(value.shape), dtype=value.dtype, value=value,
+                                    optimizer=optimizer, opt_state=opt_state, version=version)
+        with self._lock:
+            self._vars = fresh
+            self._applied = OrderedDict((i, None) for i in applied_ids)
 
     def optimizer_of(self, name: str) -> Optimizer | None:
         return self._get(name).optimizer
@@ -306,21 +348,14 @@ class VariableStore:
                         break
                 pending.wait()
         try:
-            versions = self._apply_locked(updates)
-        except BaseException:
+            versions = self._apply_locked(updates, update_id)
+        finally:
             if update_id:
                 with self._lock:
                     self._in_progress.pop(update_id).set()
-            raise
-        if update_id:
-            with self._lock:
-                self._applied[update_id] = None
-                while len(self._applied) > self._dedupe_capacity:
-                    self._applied.popitem(last=False)
-                self._in_progress.pop(update_id).set()
         return versions, False
 
-    def _apply_locked(self, updates: Sequence[Update]) -> list[int]:
+    def _apply_locked(self, updates: Sequence[Update], update_id: str) -> list[int]:
         with self._lock:
             vars_ = [self._get(u.name) for u in updates]
         prepared = [self._validate(v, u) for v, u in zip(vars_, updates)]
@@ -333,8 +368,16 @@ class VariableStore:
                 self._apply_one(var, upd, idx)
                 var.version += 1
                 versions.append(var.version)
-        with self._lock:
-            self.updates_applied += 1
+            if self.replicate is not None:
+                self.replicate(updates, update_id)
+            # Recorded before the locks are released: a snapshot (checkpoint, backup
+            # sync) that contains this push's effect also contains its id.
+            with self._lock:
+                self.updates_applied += 1
+                if update_id:
+                    self._applied[update_id] = None
+                    while len(self._applied) > self._dedupe_capacity:
+                        self._applied.popitem(last=False)
         return versions
 
     def _check_indices(self, var: _Variable, indices: np.ndarray) -> np.ndarray:
@@ -349,7 +392,7 @@ class VariableStore:
 
     def _validate(self, var: _Variable, upd: Update) -> np.ndarray | None:
         value = upd.value
-        if value.dtype != var.dtype:
+        if value.dtype != var.dtype and not _is_narrow_gradient(upd.op, value.dtype, var.dtype):
             raise DTypeMismatchError(f"variable {var.name!r} is {var.dtype}; the pushed value is {value.dtype}")
         if upd.op in SPARSE_OPS:
             if upd.indices is None:
@@ -389,6 +432,7 @@ class VariableStore:
         elif op is Op.SPARSE_APPLY_GRADIENT:
             assert idx is not None and var.optimizer is not None
             uniq, inverse = np.unique(idx, return_inverse=True)
+            value = value.astype(var.dtype, copy=False)  # duplicate ids add up in the variable's precision
             rows = np.zeros((len(uniq),) + var.shape[1:], value.dtype)
             np.add.at(rows, inverse, value)  # duplicate ids: their gradients add up
             new_rows, new_state, is_row = var.optimizer.apply_sparse(var.value, var.opt_state, uniq, rows)

@@ -18,8 +18,9 @@ from jaxdist.errors import ConfigurationError
 #: Environment variable holding the cluster's shared auth token.
 ENV_TOKEN = "JAXDIST_TOKEN"
 
-#: Job names TF accepts in TF_CONFIG, and so do we.
-KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
+#: Job names TF accepts in TF_CONFIG, and so do we, plus jaxdist's ``ps_backup``
+#: (one backup per PS task: primary/backup replication, see jaxdist.replicas).
+KNOWN_JOBS = ("chief", "worker", "ps", "evaluator", "ps_backup")
 
 
 class ClusterSpec:
