@@ -131,6 +131,16 @@ class PSCollector(Collector):
         yield _counter("jaxdist_ps_updates_applied", "Atomic pushes applied to the store (rate() = updates/s)",
                        float(store.updates_applied))
         yield GaugeMetricFamily("jaxdist_ps_variables", "Variables (shards) held by this PS", value=float(len(store.info())))
+        r = getattr(sv, "replication", None)
+        if r is not None:
+            yield GaugeMetricFamily("jaxdist_ps_replica_role", "Replication role: 0 primary, 1 backup, 2 deposed",
+                                    value={"primary": 0.0, "backup": 1.0, "deposed": 2.0}[r.role])
+            yield GaugeMetricFamily("jaxdist_ps_replica_epoch", "Replication epoch of this task", value=float(r.epoch))
+            yield GaugeMetricFamily("jaxdist_ps_replica_has_backup", "1 while a backup is attached to this primary",
+                                    value=1.0 if r.backup else 0.0)
+            yield _counter("jaxdist_ps_replica_forwarded", "Changes forwarded to the backup and acknowledged by it", float(r.forwarded))
+            yield _counter("jaxdist_ps_replica_degraded", "Times the backup was lost and this primary went on alone",
+                           float(r.degraded_events))
         per_var = getattr(sv, "variable_bytes", None)
         if per_var is not None:
             for direction in ("pulled", "pushed"):

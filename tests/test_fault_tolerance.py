@@ -83,17 +83,17 @@ def test_restarted_worker_rebuilds_per_worker_dataset() -> None:
 
 @pytest.mark.slow
 def test_chaos_2000_closures_exact_counter() -> None:
-    """2,000 closures each adding 1 while a random worker is SIGKILLed and restarted every ~2 s."""
+    """2,000 closures each adding 1 while a random worker is SIGKILLed and restarted every ~1 s."""
     with jaxdist.LocalCluster(num_workers=3, num_ps=2) as cluster:
         strategy, coord, counter, other = _counter_setup(cluster)
 
         def add_one(i: int) -> int:
             counter.assign_add(1)
-            time.sleep(0.004)
+            time.sleep(0.008)  # >= 5 s of work on 3 workers, so chaos gets several kills in
             return i
 
         n = 2000
-        with cluster.chaos(every=2.0, downtime=0.3, seed=7) as chaos:
+        with cluster.chaos(every=1.0, downtime=0.3, seed=7) as chaos:
             rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
             coord.join()
         assert chaos.kills >= 2, f"only {chaos.kills} kills happened; the run was too fast to test anything"
