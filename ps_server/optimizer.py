@@ -56,10 +56,15 @@ class Optimizer:
     def init(self, param: np.ndarray) -> Any:
         return _to_numpy_tree(self._init(param))
 
-    def apply(self, param: np.ndarray, state: Any, grad: np.ndarray) -> tuple[np.ndarray, Any]:
-        """Dense step; returns new (read-only numpy) param and state."""
+    def apply(self, param: Any, state: Any, grad: np.ndarray) -> tuple[np.ndarray, jax.Array, Any]:
+        """Dense step: ``(new param as a read-only numpy view, the same as an XLA array, new state)``.
+
+        ``param`` and ``state`` may be numpy or XLA arrays; passing back the XLA
+        arrays of the previous step saves copying them into XLA again (the
+        state stays in XLA arrays: readers use ``np.asarray``, a free view on CPU).
+        """
         new_param, new_state = self._step(param, state, grad)
-        return np.asarray(new_param), _to_numpy_tree(new_state)
+        return np.asarray(new_param), new_param, new_state
 
     def apply_sparse(
         self, param: np.ndarray, state: Any, indices: np.ndarray, rows: np.ndarray

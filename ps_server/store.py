@@ -121,9 +121,14 @@ class _Variable:
     version: int = 1
     readers: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The XLA array ``value`` is a read-only view of, after an optimizer step: the
+    #: next step starts from it without copying the value into XLA again. None
+    #: after any other write.
+    device_value: Any = None
 
     def writable_value(self) -> np.ndarray:
         """The value, made safe to modify in place (copied if shared or read-only)."""
+        self.device_value = None
         if self.readers or not self.value.flags.writeable:
             self.value = np.array(self.value)
             self.readers = 0
@@ -414,15 +419,18 @@ class VariableStore:
 
     def _apply_one(self, var: _Variable, upd: Update, idx: np.ndarray | None) -> None:
         op, value = upd.op, upd.value
+        if op is Op.APPLY_GRADIENT:
+            assert var.optimizer is not None
+            start = var.device_value if var.device_value is not None else var.value
+            var.value, var.device_value, var.opt_state = var.optimizer.apply(start, var.opt_state, value)
+            return
+        var.device_value = None
         if op is Op.ASSIGN:
             var.value = np.array(value, copy=True)
         elif op is Op.ASSIGN_ADD:
             var.value = var.value + value
         elif op is Op.ASSIGN_SUB:
             var.value = var.value - value
-        elif op is Op.APPLY_GRADIENT:
-            assert var.optimizer is not None
-            var.value, var.opt_state = var.optimizer.apply(var.value, var.opt_state, value)
         elif op is Op.SCATTER_UPDATE:
             assert idx is not None
             var.writable_value()[idx] = value  # last write wins for duplicate indices, as TF

@@ -1,0 +1,350 @@
+"""jaxdist's side of the TF comparison: the same workloads, CLI and JSON schema as ``tf_workloads.py``.
+
+Workloads (a LocalCluster of real processes on loopback: --workers workers, --ps PS; the
+64 MB variable is split in --ps shards, one per PS):
+  noop   no-op closures per second through schedule/join         -> noop_closures_per_s
+  pull   MB/s for one 64 MB float32 variable read by every worker
+         at once, 3 pulls per closure after one warm pull, timed
+         inside the closures (MB moved / slowest closure); one
+         untimed warm-up run first                                 -> pull_64MB_MBps
+  push   the same with assign_add of a 64 MB delta made on the
+         worker (one warm push in each closure)                    -> push_64MB_MBps
+  mlp    MLP 784-1024-1024-10, batch 256, SGD applied on the PS,
+         one step = pull params, grad on the worker, push grads   -> mlp_steps_per_s
+  all    the four above in one cluster ("system": "jaxdist")
+and the references, measured by ``bench_ps.py``'s own code ("system": "reference"):
+  raw        a plain gRPC server process: 64 MB streamed in 4 MB chunks down/up, tiny unary
+             calls sequential / 16 concurrent (raw_grpc_*)
+  plain_jax  the same MLP in this one process with jax + optax (plain_jax_mlp_steps_per_s)
+  references both of them
+
+Every figure is the median of --repeats runs; ``runs`` lists them. The first line is an info line.
+Usage: python bench/jaxdist_workloads.py --workload all [--repeats 3] [--workers 2] [--mlp-steps 200]
+       [--grad-dtype float32|bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import io
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cloudpickle  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_ps  # noqa: E402
+from bench_ps import MB, mlp_init, mlp_loss  # noqa: E402
+
+# Closures built here reference bench_ps / this module by name; workers cannot import either
+# (bench/ is not on their path), so both travel by value inside the pickled closures.
+cloudpickle.register_pickle_by_value(bench_ps)
+if __name__ != "__main__":
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+JAXDIST_WORKLOADS = ("noop", "pull", "push", "mlp")
+REFERENCE_WORKLOADS = ("raw", "plain_jax")
+WORKLOAD_CHOICES = (*JAXDIST_WORKLOADS, "all", *REFERENCE_WORKLOADS, "references")
+BATCH = 256
+
+
+def emit(**kv: Any) -> None:
+    print(json.dumps(kv), flush=True)
+
+
+def transfer_dtype_supported() -> bool:
+    """Whether ``jaxdist.apply_gradients`` takes ``transfer_dtype=`` (gradients sent in a narrower dtype)."""
+    import jaxdist
+
+    try:
+        return "transfer_dtype" in inspect.signature(jaxdist.apply_gradients).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _transfer_dtype(grad_dtype: str) -> Any:
+    """The value passed as ``transfer_dtype``, or None to leave the keyword out (float32 = no conversion)."""
+    if grad_dtype == "float32":
+        return None
+    if grad_dtype != "bfloat16":
+        raise ValueError(f"unknown grad dtype {grad_dtype!r}")
+    if not transfer_dtype_supported():
+        raise SystemExit(
+            "error: --grad-dtype bfloat16 needs jaxdist.apply_gradients(variables, grads, transfer_dtype=...), "
+            "which this jaxdist does not have (signature: "
+            f"{_signature_text()}); run with --grad-dtype float32"
+        )
+    import jax.numpy as jnp
+
+    return jnp.bfloat16
+
+
+def _signature_text() -> str:
+    import jaxdist
+
+    try:
+        return f"apply_gradients{inspect.signature(jaxdist.apply_gradients)}"
+    except (TypeError, ValueError):
+        return "unknown"
+
+
+# ------------------------------------------------------------ closures
+# Module-level factories: each closure captures only what it needs (never the cluster object).
+def _noop() -> None:
+    return None
+
+
+def _make_pull_closure(var: Any, pulls: int, per_pull_times: bool = False) -> Any:
+    def pull_closure() -> Any:
+        import time as _t
+
+        import jaxdist as _jd
+
+        _jd.pull(var)  # warm: connections, buffers
+        times = []
+        t0 = _t.perf_counter()
+        for _ in range(pulls):
+            t = _t.perf_counter()
+            _jd.pull(var)
+            times.append(_t.perf_counter() - t)
+        return times if per_pull_times else _t.perf_counter() - t0
+
+    return pull_closure
+
+
+def _make_push_closure(var: Any, n: int, pushes: int) -> Any:
+    def push_closure() -> float:
+        import time as _t
+
+        import numpy as _np
+
+        delta = _np.ones(n, _np.float32)  # made on the worker: closures ship code, not data
+        var.assign_add(delta)  # warm
+        t0 = _t.perf_counter()
+        for _ in range(pushes):
+            var.assign_add(delta)
+        return _t.perf_counter() - t0
+
+    return push_closure
+
+
+def _mlp_dataset_fn(ctx: Any) -> Any:
+    rng = np.random.default_rng(ctx.input_pipeline_id)
+    x = rng.standard_normal((BATCH, 784)).astype(np.float32)
+    y = rng.integers(0, 10, BATCH).astype(np.int32)
+    while True:
+        yield x, y
+
+
+def _make_train_step(params: Any, transfer_dtype: Any) -> Any:
+    import jax
+
+    import jaxdist
+
+    grad_fn = jax.jit(jax.grad(mlp_loss))
+    kwargs = {} if transfer_dtype is None else {"transfer_dtype": transfer_dtype}
+
+    def train_step(it: Any) -> None:
+        x, y = next(it)
+        jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params), x, y), **kwargs)
+
+    return train_step
+
+
+# ------------------------------------------------------------ the cluster
+class JaxdistBench:
+    """A LocalCluster + ParameterServerStrategy + ClusterCoordinator with one method per workload.
+
+    A context manager: leaving it shuts the coordinator down and stops every task process.
+    """
+
+    def __init__(self, workers: int = 2, ps: int = 2, shards: int | None = None) -> None:
+        self.workers = workers
+        self.ps = ps
+        self.shards = shards or ps
+        self._stack = contextlib.ExitStack()
+        self._n = 0
+
+    def __enter__(self) -> JaxdistBench:
+        import jaxdist
+
+        try:
+            self.cluster = self._stack.enter_context(jaxdist.LocalCluster(num_workers=self.workers, num_ps=self.ps))
+            self.strategy = jaxdist.ParameterServerStrategy(
+                self.cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(self.shards)
+            )
+            self._stack.callback(self.strategy.close)
+            self.coord = jaxdist.ClusterCoordinator(self.strategy)
+            self._stack.callback(self.coord.shutdown)
+        except BaseException:
+            self._stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def _name(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}{self._n}"
+
+    def variable(self, mb: float) -> Any:
+        """A zero float32 variable of ``mb`` MiB, in ``shards`` shards."""
+        import jaxdist
+
+        with self.strategy.scope():
+            return jaxdist.create_variable(np.zeros(int(mb * MB) // 4, np.float32), name=self._name("big"))
+
+    # -- (a) no-op closures
+    def noop_rate(self, n: int) -> float:
+        """Closures per second for ``n`` no-op closures scheduled then joined."""
+        t = time.perf_counter()
+        for _ in range(n):
+            self.coord.schedule(_noop)
+        self.coord.join()
+        return n / (time.perf_counter() - t)
+
+    # -- (b) bulk transfer: every worker at once
+    def transfer_rate(self, kind: str, var: Any, mb: float, per_closure: int = 3) -> float:
+        """MB/s moved by one closure per worker, each doing ``per_closure`` pulls or pushes of ``var``."""
+        if kind == "pull":
+            fn = _make_pull_closure(var, per_closure)
+        elif kind == "push":
+            fn = _make_push_closure(var, int(mb * MB) // 4, per_closure)
+        else:
+            raise ValueError(kind)
+        rvs = [self.coord.schedule(fn) for _ in range(self.workers)]
+        self.coord.join()
+        return self.workers * per_closure * mb / max(rv.fetch() for rv in rvs)
+
+    def pull_times(self, var: Any, pulls: int) -> list[float]:
+        """Seconds of each of ``pulls`` pulls of ``var`` by one closure on one worker (after one warm pull)."""
+        rv = self.coord.schedule(_make_pull_closure(var, pulls, per_pull_times=True))
+        self.coord.join()
+        return list(rv.fetch())
+
+    # -- (c) MLP
+    def mlp_setup(self, grad_dtype: str = "float32") -> None:
+        import optax
+
+        import jaxdist
+
+        transfer_dtype = _transfer_dtype(grad_dtype)
+        with self.strategy.scope():
+            params = jaxdist.create_variables(mlp_init(), name=self._name("mlp"), optimizer=optax.sgd(0.01))
+        self._train_step = _make_train_step(params, transfer_dtype)
+        self._it = iter(self.coord.create_per_worker_dataset(_mlp_dataset_fn))
+        for _ in range(2 * self.workers):  # warm: jit on every worker
+            self.coord.schedule(self._train_step, args=(self._it,))
+        self.coord.join()
+
+    def mlp_rate(self, steps: int) -> float:
+        t = time.perf_counter()
+        for _ in range(steps):
+            self.coord.schedule(self._train_step, args=(self._it,))
+        self.coord.join()
+        return steps / (time.perf_counter() - t)
+
+
+def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
+    vals = [fn() for _ in range(repeats)]
+    return {"median": round(statistics.median(vals), ndigits), "runs": [round(v, ndigits) for v in vals]}
+
+
+def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
+                grad_dtype: str) -> None:
+    common = {"system": "jaxdist", "workers": workers, "ps": ps}
+    if "mlp" in workloads:
+        _transfer_dtype(grad_dtype)  # fail before starting any process
+    with JaxdistBench(workers=workers, ps=ps) as b:
+        if "noop" in workloads:
+            b.noop_rate(max(1, noop_closures // 5))  # warm
+            emit(**common, workload="noop_closures_per_s", closures=noop_closures,
+                 **_runs(lambda: b.noop_rate(noop_closures), repeats))
+        if "pull" in workloads or "push" in workloads:
+            var = b.variable(64)
+            for kind in ("pull", "push"):
+                if kind in workloads:
+                    b.transfer_rate(kind, var, 64)  # one untimed warm-up run, as tf_workloads.py does
+                    emit(**common, workload=f"{kind}_64MB_MBps", shards=b.shards,
+                         **_runs(lambda kind=kind: b.transfer_rate(kind, var, 64), repeats))
+        if "mlp" in workloads:
+            b.mlp_setup(grad_dtype)
+            emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype,
+                 **_runs(lambda: b.mlp_rate(mlp_steps), repeats, 2))
+
+
+def _capture(fn: Any, *args: Any) -> tuple[Any, list[dict[str, Any]]]:
+    """Call a bench_ps function, capturing the JSON lines it prints (re-emitted in this script's schema)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        result = fn(*args)
+    lines = [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
+    return result, lines
+
+
+def run_references(workloads: list[str], repeats: int, mlp_steps: int) -> None:
+    if "raw" in workloads:
+        _, lines = _capture(bench_ps.bench_raw_grpc, repeats)
+        for rec in lines:
+            emit(system="reference", workload=rec.pop("workload"), **rec)
+    if "plain_jax" in workloads:
+        _, lines = _capture(bench_ps.bench_plain_jax, repeats, mlp_steps)
+        for rec in lines:
+            emit(system="reference", workload=rec.pop("workload"), batch=BATCH, steps=mlp_steps, **rec)
+
+
+def expand(workload: str) -> list[str]:
+    if workload == "all":
+        return list(JAXDIST_WORKLOADS)
+    if workload == "references":
+        return list(REFERENCE_WORKLOADS)
+    return [workload]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workload", choices=WORKLOAD_CHOICES, default="all")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--ps", type=int, default=2, help="PS tasks (the 64 MB variable has one shard per PS)")
+    ap.add_argument("--mlp-steps", type=int, default=200)
+    ap.add_argument("--noop-closures", type=int, default=5000, help="closures per no-op run")
+    ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype the MLP's gradients travel in (bfloat16 needs apply_gradients(transfer_dtype=))")
+    args = ap.parse_args(argv)
+
+    import jax
+
+    import jaxdist
+
+    workloads = expand(args.workload)
+    emit(system="jaxdist", jaxdist_version=jaxdist.__version__, jax_version=jax.__version__,
+         python=sys.version.split()[0], cpus=os.cpu_count(), machine=os.uname().nodename,
+         transfer_dtype_supported=transfer_dtype_supported())
+    try:
+        jd = [w for w in workloads if w in JAXDIST_WORKLOADS]
+        if jd:
+            run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype)
+        refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
+        if refs:
+            run_references(refs, args.repeats, args.mlp_steps)
+    except SystemExit as e:
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 2
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
