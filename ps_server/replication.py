@@ -191,6 +191,8 @@ class Replication:
         self.backup = ""  # address of the attached backup, "" when none
         self.forwarded = 0
         self.degraded_events = 0
+        # Set while this (backup) task applies what its primary forwarded.
+        self._from_primary = threading.local()
         store.replicate = self._forward_update
 
     # ----------------------------------------------------------- client side
@@ -223,10 +225,12 @@ class Replication:
             logger.warning("backup %s lost (%s: %s); running without a backup", backup, type(e).__name__, e)
 
     def _forward_update(self, updates: Sequence[Update], update_id: str) -> None:
-        if self.role == "backup":
+        if getattr(self._from_primary, "active", False):
             return  # applying what the primary forwarded: nothing to forward
-        if self.role == "deposed":
-            raise NotPrimaryError(f"this PS was superseded (epoch {self.epoch})")
+        if self.role != "primary":
+            # A client push that passed check_primary just before this task became a
+            # backup (full sync) or was deposed: it must not be acknowledged.
+            raise NotPrimaryError(f"this PS became a {self.role} (epoch {self.epoch}) during the push")
         if self.backup:
             self._deliver(*encode_update(updates, update_id, self.epoch))
 
@@ -289,7 +293,11 @@ class Replication:
             elif self.role != "backup":
                 raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")
         if header.kind == ps_pb2.REPLICA_UPDATE:
-            self.store.apply(decode_updates(header.push, iter(arrays)), header.push.update_id)
+            self._from_primary.active = True
+            try:
+                self.store.apply(decode_updates(header.push, iter(arrays)), header.push.update_id)
+            finally:
+                self._from_primary.active = False
         elif header.kind == ps_pb2.REPLICA_INSTALL:
             variables = decode_installs(header, arrays, optimizer)
             if header.full_sync:

@@ -70,7 +70,11 @@ def test_updates_reach_the_backup_in_order_with_the_same_versions_and_ids() -> N
     np.testing.assert_array_equal(_value(b, "w"), _value(p, "w"))  # momentum state followed the same order
     np.testing.assert_array_equal(_value(b, "t"), [[1, 1], [0, 0], [1, 1]])
     assert {i.name: i.version for i in b.info()} == {i.name: i.version for i in p.info()}
-    # A retried push after failover is a duplicate on the backup too.
+    # A client push reaching the backup's store directly is never acknowledged ...
+    with pytest.raises(NotPrimaryError):
+        b.apply([Update("w", Op.APPLY_GRADIENT, np.ones(4, np.float32))], update_id="c/9")
+    # ... and a retried push after failover is a duplicate on the promoted backup.
+    pair.reps["b"].promote(2)
     assert b.apply([Update("w", Op.APPLY_GRADIENT, np.ones(4, np.float32))], update_id="c/3")[1] is True
 
 
