@@ -98,6 +98,10 @@ def _task(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] and sys.argv[1] in ("ps", "worker", "task"):
+        from jaxdist.service import reexec_with_task_environment
+
+        reexec_with_task_environment()  # a real task process (not a call from Python): tune malloc first
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())

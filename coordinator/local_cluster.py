@@ -45,7 +45,7 @@ from jaxdist.cluster_resolver.base import ENV_TOKEN
 from jaxdist.cluster_resolver.tfconfig import ENV_JAXDIST_CLUSTER
 from jaxdist.errors import ConfigurationError
 from jaxdist.proto import rpc
-from jaxdist.service import ENV_PARENT_PID
+from jaxdist.service import ENV_PARENT_PID, task_environment
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class LocalCluster:
     def _spawn(self, t: _Task, ready: queue.Queue[tuple[_Task, int | None]], extra: list[str] | None = None) -> None:
         env = dict(os.environ)
         env.update(self._env)
+        env = task_environment(env)  # malloc settings up front: no re-exec in the task
         env[ENV_TOKEN] = self.token
         env[ENV_PARENT_PID] = str(os.getpid())
         env.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,5 +1,9 @@
 import sys
 
-from jaxdist.ps_server.server import main
+from jaxdist import service
+
+service.reexec_with_task_environment()  # before anything big is allocated
+
+from jaxdist.ps_server.server import main  # noqa: E402
 
 sys.exit(main())

@@ -1,5 +1,9 @@
 import sys
 
-from jaxdist.worker.server import main
+from jaxdist import service
+
+service.reexec_with_task_environment()  # before anything big is allocated
+
+from jaxdist.worker.server import main  # noqa: E402
 
 sys.exit(main())
