@@ -601,31 +601,40 @@ class ClusterCoordinator:
         replicas = self.strategy.replicas
         assert replicas is not None
         down_since: dict[int, float] = {}
-        while not self._closed:
-            for i in range(len(replicas.pairs)):
-                alive, has_backup = replicas.status(i, timeout=max(0.5, self.failover_after / 2))
-                if not alive:
-                    first = down_since.setdefault(i, time.monotonic())
-                    self._ps_suspect(f"ps:{i}")
-                    if time.monotonic() - first >= self.failover_after:
-                        try:
-                            replicas.fail_over(i)
-                        except E.JaxdistError as e:
-                            # No backup to promote either: two failures. Wait for one to come back.
-                            logger.error("ps:%d: primary down and its backup could not be promoted: %s", i, e)
-                            continue
-                        down_since.pop(i, None)
-                        self._reconfigure_workers()
-                    continue
-                down_since.pop(i, None)
-                if not has_backup and replicas.backup_reachable(i):
-                    try:
-                        replicas.attach(i)
-                    except E.JaxdistError as e:
-                        logger.info("ps:%d: backup not attached yet: %s", i, e)
-            if not down_since and self._ps_paused:
-                self._ps_resume()
+        while not self._closed and not self.strategy._closed:
+            try:
+                self._check_replicas(replicas, down_since)
+            except Exception:  # noqa: BLE001 - the watcher must outlive surprises; closed channels end it
+                if self._closed or self.strategy._closed:
+                    return
+                logger.exception("replica watcher: unexpected error; retrying")
             time.sleep(0.25)
+
+    def _check_replicas(self, replicas: Any, down_since: dict[int, float]) -> None:
+        """One pass over the shards: fail over dead primaries, re-attach missing backups."""
+        for i in range(len(replicas.pairs)):
+            alive, has_backup = replicas.status(i, timeout=max(0.5, self.failover_after / 2))
+            if not alive:
+                first = down_since.setdefault(i, time.monotonic())
+                self._ps_suspect(f"ps:{i}")
+                if time.monotonic() - first >= self.failover_after:
+                    try:
+                        replicas.fail_over(i)
+                    except E.JaxdistError as e:
+                        # No backup to promote either: two failures. Wait for one to come back.
+                        logger.error("ps:%d: primary down and its backup could not be promoted: %s", i, e)
+                        continue
+                    down_since.pop(i, None)
+                    self._reconfigure_workers()
+                continue
+            down_since.pop(i, None)
+            if not has_backup and replicas.backup_reachable(i):
+                try:
+                    replicas.attach(i)
+                except E.JaxdistError as e:
+                    logger.info("ps:%d: backup not attached yet: %s", i, e)
+        if not down_since and self._ps_paused:
+            self._ps_resume()
 
     def _reconfigure_workers(self) -> None:
         """Give every worker the current primaries (its PS connections are rebuilt)."""

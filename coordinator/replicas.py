@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from jaxdist.errors import ConfigurationError, JaxdistError
+from jaxdist.errors import ConfigurationError, JaxdistError, PSUnavailableError
 from jaxdist.ps_server.client import PSClient
 
 logger = logging.getLogger(__name__)
@@ -41,9 +41,11 @@ class ReplicaSet:
         self.epochs = [1] * len(primaries)
         self.failovers = 0
         self._clients: dict[str, PSClient] = {}
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             c.close()
@@ -59,6 +61,8 @@ class ReplicaSet:
     def _client(self, address: str, shard: int, role: str) -> PSClient:
         """A cached client (its channel reconnects by itself after the task restarts)."""
         with self._lock:
+            if self._closed:
+                raise PSUnavailableError(f"ps:{shard}: the strategy was closed", task=f"ps:{shard}")
             c = self._clients.get(address)
             if c is None:
                 c = self._clients[address] = PSClient(address, token=self._token, task=f"ps:{shard} ({role} {address})")
