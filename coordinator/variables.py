@@ -377,6 +377,8 @@ def gradient_array(grad: Any, var_dtype: np.dtype, transfer_dtype: np.dtype | No
     as it is; with ``transfer_dtype`` a wider one is cast to it first (by XLA
     when it is a JAX array). Anything else is cast to ``var_dtype``.
     """
+    if not hasattr(grad, "dtype"):  # lists, scalars
+        grad = np.asarray(grad)
     if transfer_dtype is not None and _is_narrow(transfer_dtype, var_dtype) and not _is_narrow(np.dtype(grad.dtype), var_dtype):
         grad = grad.astype(transfer_dtype)
     arr = np.asarray(grad)

@@ -39,6 +39,7 @@ def test_store_widens_narrow_gradients_and_rejects_them_elsewhere() -> None:
 def test_gradient_array_casts_only_what_it_should() -> None:
     f32 = np.dtype(np.float32)
     assert gradient_array(np.ones(3, np.float64), f32).dtype == f32
+    assert gradient_array([1.0, 2.0], f32, BF16).dtype == BF16  # plain Python values too
     assert gradient_array(np.ones(3, np.float32), f32, BF16).dtype == BF16
     assert gradient_array(jnp.ones(3, jnp.float32), f32, BF16).dtype == BF16  # cast by XLA
     assert gradient_array(np.ones(3, BF16), f32).dtype == BF16  # already narrow: travels as is
