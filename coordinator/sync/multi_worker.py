@@ -347,10 +347,6 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         if self._on_peer_failure_mode == "raise":
             logger.error("peer failure recorded; the next strategy call raises it: %s", err)
             return
-        if self._service is not None:
-            # Process 0: keep serving briefly so the other survivors learn of the failure
-            # from their next heartbeat instead of waiting out their own timeout.
-            threading.Event().wait(min(1.0, 2 * self._interval))
         msg = (
             f"jaxdist: PeerFailedError on {self._task} (process {self._rank}): {err}. "
             f"Aborting this process with exit code {EXIT_PEER_FAILED}: it may be blocked in a collective with the "
@@ -363,6 +359,11 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             sys.stderr.flush()
             for h in logging.getLogger().handlers:
                 h.flush()
+            # Said first (above): the main thread may reach interpreter exit meanwhile.
+            if self._service is not None:
+                # Process 0: keep serving briefly so the other survivors learn of the failure
+                # from their next heartbeat instead of waiting out their own timeout.
+                threading.Event().wait(min(1.0, 2 * self._interval))
         finally:
             os._exit(EXIT_PEER_FAILED)
 
