@@ -133,8 +133,10 @@ class PSCollector(Collector):
         yield GaugeMetricFamily("jaxdist_ps_variables", "Variables (shards) held by this PS", value=float(len(store.info())))
         r = getattr(sv, "replication", None)
         if r is not None:
+            from jaxdist.ps_server.replication import ROLE_CODES
+
             yield GaugeMetricFamily("jaxdist_ps_replica_role", "Replication role: 0 primary, 1 backup, 2 deposed",
-                                    value={"primary": 0.0, "backup": 1.0, "deposed": 2.0}[r.role])
+                                    value=ROLE_CODES[r.role])
             yield GaugeMetricFamily("jaxdist_ps_replica_epoch", "Replication epoch of this task", value=float(r.epoch))
             yield GaugeMetricFamily("jaxdist_ps_replica_has_backup", "1 while a backup is attached to this primary",
                                     value=1.0 if r.backup else 0.0)

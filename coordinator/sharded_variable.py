@@ -108,8 +108,9 @@ class ShardedVariable(VariableOps):
 
     def _rows(self, op: str, indices: Any, rows: Any) -> list[tuple[Variable, str, np.ndarray, np.ndarray | None]]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        vals = rows if op == "sparse_apply_gradient" else np.asarray(rows, dtype=self.dtype)
-        vals = gradient_array(vals, self.dtype).reshape((len(idx),) + self.shape[1:])
+        # Gradient rows may travel narrower (bf16); every other op's rows take the variable's dtype.
+        vals = gradient_array(rows, self.dtype) if op == "sparse_apply_gradient" else np.asarray(rows, dtype=self.dtype)
+        vals = vals.reshape((len(idx),) + self.shape[1:])
         shard, local = self._split_rows(idx)
         out = []
         for s in np.unique(shard):

@@ -22,10 +22,10 @@ from concurrent import futures
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from jaxdist.errors import ConfigurationError
+from jaxdist.proto import codec
 from jaxdist.ps_server.client import CreateSpec, PSClient, PullSpec, PushSpec, deadline_for
 
 __all__ = [
@@ -362,12 +362,6 @@ def pull(tree: Any) -> Any:
 
 
 _GRADIENT_OPS = frozenset({"apply_gradient", "sparse_apply_gradient"})
-#: Float dtypes a gradient may travel in when narrower than its variable (the PS widens it).
-_NARROW_FLOATS = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
-
-
-def _is_narrow(grad_dtype: np.dtype, var_dtype: np.dtype) -> bool:
-    return grad_dtype in _NARROW_FLOATS and var_dtype.kind == "f" and var_dtype.itemsize > grad_dtype.itemsize
 
 
 def gradient_array(grad: Any, var_dtype: np.dtype, transfer_dtype: np.dtype | None = None) -> np.ndarray:
@@ -379,10 +373,10 @@ def gradient_array(grad: Any, var_dtype: np.dtype, transfer_dtype: np.dtype | No
     """
     if not hasattr(grad, "dtype"):  # lists, scalars
         grad = np.asarray(grad)
-    if transfer_dtype is not None and _is_narrow(transfer_dtype, var_dtype) and not _is_narrow(np.dtype(grad.dtype), var_dtype):
+    if transfer_dtype is not None and codec.is_narrower_float(transfer_dtype, var_dtype) and not codec.is_narrower_float(np.dtype(grad.dtype), var_dtype):
         grad = grad.astype(transfer_dtype)
     arr = np.asarray(grad)
-    return arr if _is_narrow(arr.dtype, var_dtype) else np.asarray(arr, dtype=var_dtype)
+    return arr if codec.is_narrower_float(arr.dtype, var_dtype) else np.asarray(arr, dtype=var_dtype)
 
 
 def push_updates(pairs: Sequence[tuple[Variable, str, np.ndarray, np.ndarray | None]]) -> None:
@@ -394,7 +388,7 @@ def push_updates(pairs: Sequence[tuple[Variable, str, np.ndarray, np.ndarray | N
     by_ps: dict[int, list[PushSpec]] = defaultdict(list)
     for var, op, value, idx in pairs:
         arr = np.asarray(value)
-        if not (op in _GRADIENT_OPS and _is_narrow(arr.dtype, var.dtype)):
+        if not (op in _GRADIENT_OPS and codec.is_narrower_float(arr.dtype, var.dtype)):
             arr = np.asarray(arr, dtype=var.dtype)
         by_ps[var.ps_index].append(PushSpec(var.name, op, arr, idx))
     update_id = _next_update_id()
@@ -417,7 +411,7 @@ def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> N
     the jitted gradient function is the cheapest way.
     """
     td = None if transfer_dtype is None else np.dtype(transfer_dtype)
-    if td is not None and td not in _NARROW_FLOATS:
+    if td is not None and td not in codec.NARROW_FLOATS:
         raise ValueError(f"transfer_dtype must be bfloat16 or float16, got {td}")
     vleaves, vdef = _leaves(variables)
     gleaves = vdef.flatten_up_to(grads)

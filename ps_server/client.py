@@ -29,7 +29,8 @@ _SVC = "/jaxdist.ParameterServer/"
 _BASE_DEADLINE_S = 10.0
 _MIN_RATE_BYTES_PER_S = 50e6
 
-_OP_TO_PROTO = {
+#: Update op name (``jaxdist.ps_server.store.Op`` values) -> wire code. The one table of it.
+OP_CODES = {
     "assign": ps_pb2.ASSIGN,
     "assign_add": ps_pb2.ASSIGN_ADD,
     "assign_sub": ps_pb2.ASSIGN_SUB,
@@ -66,7 +67,7 @@ class PullSpec:
 
 @dataclass
 class PushSpec:
-    """One update in a push: ``op`` is one of the keys of ``_OP_TO_PROTO``."""
+    """One update in a push: ``op`` is one of the keys of :data:`OP_CODES`."""
 
     name: str
     op: str
@@ -84,6 +85,24 @@ class CreateSpec:
     offset: Sequence[int] = ()
     optimizer: Any = None  # optax.GradientTransformation
     if_exists: str = "fail"
+
+
+def encode_push(specs: Sequence[PushSpec], update_id: str = "", out: ps_pb2.PushHeader | None = None) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
+    """A push as its header (written into ``out`` if given) and payload arrays, in frame order."""
+    header = out if out is not None else ps_pb2.PushHeader()
+    header.update_id = update_id
+    arrays: list[np.ndarray] = []
+    for s in specs:
+        value = codec.as_wire_array(s.value)
+        e = header.entries.add(name=s.name, op=OP_CODES[s.op], has_value=True)
+        codec.spec_to_proto(value.shape, value.dtype, e.value)
+        arrays.append(value)
+        if s.indices is not None:
+            idx = codec.as_wire_array(np.asarray(s.indices, dtype=np.int64))
+            codec.spec_to_proto(idx.shape, idx.dtype, e.indices)
+            e.has_indices = True
+            arrays.append(idx)
+    return header, arrays
 
 
 class PSClient:
@@ -163,18 +182,7 @@ class PSClient:
 
     def push(self, specs: Sequence[PushSpec], update_id: str = "", timeout: float | None = None) -> tuple[list[int], bool]:
         """Apply updates atomically on this PS; returns (new versions, duplicate)."""
-        header = ps_pb2.PushHeader(update_id=update_id)
-        arrays: list[np.ndarray] = []
-        for s in specs:
-            value = codec.as_wire_array(s.value)
-            e = header.entries.add(name=s.name, op=_OP_TO_PROTO[s.op], has_value=True)
-            codec.spec_to_proto(value.shape, value.dtype, e.value)
-            arrays.append(value)
-            if s.indices is not None:
-                idx = codec.as_wire_array(np.asarray(s.indices, dtype=np.int64))
-                codec.spec_to_proto(idx.shape, idx.dtype, e.indices)
-                e.has_indices = True
-                arrays.append(idx)
+        header, arrays = encode_push(specs, update_id)
         resp = self._send(header, arrays, timeout)
         return list(resp.versions), resp.duplicate
 

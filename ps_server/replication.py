@@ -45,25 +45,16 @@ import numpy as np
 
 from jaxdist.errors import InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
 from jaxdist.proto import codec, ps_pb2
+from jaxdist.ps_server.client import OP_CODES, PushSpec, encode_push
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import Op, Update, VariableStore
 
 logger = logging.getLogger(__name__)
 
-_OP_TO_PROTO = {
-    Op.ASSIGN: ps_pb2.ASSIGN,
-    Op.ASSIGN_ADD: ps_pb2.ASSIGN_ADD,
-    Op.ASSIGN_SUB: ps_pb2.ASSIGN_SUB,
-    Op.APPLY_GRADIENT: ps_pb2.APPLY_GRADIENT,
-    Op.SCATTER_UPDATE: ps_pb2.SCATTER_UPDATE,
-    Op.SCATTER_ADD: ps_pb2.SCATTER_ADD,
-    Op.SCATTER_SUB: ps_pb2.SCATTER_SUB,
-    Op.SCATTER_MIN: ps_pb2.SCATTER_MIN,
-    Op.SCATTER_MAX: ps_pb2.SCATTER_MAX,
-    Op.SPARSE_APPLY_GRADIENT: ps_pb2.SPARSE_APPLY_GRADIENT,
-}
+_PROTO_TO_OP = {code: Op(name) for name, code in OP_CODES.items()}
 
-_PROTO_TO_OP = {v: k for k, v in _OP_TO_PROTO.items()}
+#: Replication roles as numbers, for GetStatus counters and metrics.
+ROLE_CODES = {"primary": 0.0, "backup": 1.0, "deposed": 2.0}
 
 #: One variable as replicated: (name, value, optimizer, optimizer state, version).
 InstalledVariable = tuple[str, np.ndarray, "Optimizer | None", Any, int]
@@ -88,18 +79,7 @@ def decode_updates(push: ps_pb2.PushHeader, arrays: Iterator[np.ndarray]) -> lis
 def encode_update(updates: Sequence[Update], update_id: str, epoch: int) -> tuple[ps_pb2.ReplicaHeader, list[np.ndarray]]:
     """An applied push as a REPLICA_UPDATE: header plus payload arrays in frame order."""
     header = ps_pb2.ReplicaHeader(epoch=epoch, kind=ps_pb2.REPLICA_UPDATE)
-    header.push.update_id = update_id
-    arrays: list[np.ndarray] = []
-    for u in updates:
-        e = header.push.entries.add(name=u.name, op=_OP_TO_PROTO[u.op], has_value=True)
-        value = codec.as_wire_array(u.value)
-        codec.spec_to_proto(value.shape, value.dtype, e.value)
-        arrays.append(value)
-        if u.indices is not None:
-            idx = codec.as_wire_array(u.indices)
-            codec.spec_to_proto(idx.shape, idx.dtype, e.indices)
-            e.has_indices = True
-            arrays.append(idx)
+    _, arrays = encode_push([PushSpec(u.name, u.op.value, u.value, u.indices) for u in updates], update_id, out=header.push)
     return header, arrays
 
 
@@ -186,7 +166,7 @@ class Replication:
         self._lock = threading.Lock()
         # Serializes full syncs with forwarded creates/deletes (see attach()).
         self._membership = threading.Lock()
-        self.role = "primary"  # "primary" | "backup" | "deposed"
+        self.role = "primary"  # a key of ROLE_CODES
         self.epoch = 0
         self.backup = ""  # address of the attached backup, "" when none
         self.forwarded = 0

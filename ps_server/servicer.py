@@ -259,7 +259,7 @@ class ParameterServerServicer:
         counters["variables"] = float(len(self.store.info()))
         counters["updates_applied"] = float(self.store.updates_applied)
         r = self.replication
-        counters["replica_role"] = {"primary": 0.0, "backup": 1.0, "deposed": 2.0}[r.role]
+        counters["replica_role"] = repl.ROLE_CODES[r.role]
         counters["replica_epoch"] = float(r.epoch)
         counters["replica_has_backup"] = 1.0 if r.backup else 0.0
         counters["replica_forwarded"] = float(r.forwarded)

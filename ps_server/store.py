@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 
 from jaxdist.errors import (
@@ -39,6 +38,7 @@ from jaxdist.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
+from jaxdist.proto import codec
 from jaxdist.ps_server.optimizer import Optimizer
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
@@ -63,19 +63,11 @@ SPARSE_OPS = frozenset(
 )
 
 
-#: Gradients may travel in these narrower float dtypes (bf16 transfer): the
-#: optimizer widens them to the variable's dtype before it runs.
-_NARROW_GRADIENT_DTYPES = frozenset({np.dtype("float16"), np.dtype(ml_dtypes.bfloat16)})
-
-
 def _is_narrow_gradient(op: Op, value_dtype: np.dtype, var_dtype: np.dtype) -> bool:
-    """A gradient pushed in a narrower float dtype than its (floating) variable: allowed."""
-    return (
-        op in (Op.APPLY_GRADIENT, Op.SPARSE_APPLY_GRADIENT)
-        and value_dtype in _NARROW_GRADIENT_DTYPES
-        and var_dtype.kind == "f"
-        and var_dtype.itemsize > value_dtype.itemsize
-    )
+    """A gradient pushed in a narrower float dtype than its (floating) variable: allowed, the
+    optimizer widens it (bf16 transfer)."""
+    return op in (Op.APPLY_GRADIENT, Op.SPARSE_APPLY_GRADIENT) and codec.is_narrower_float(value_dtype, var_dtype)
+
 
 _SCATTER_UFUNC: dict[Op, Callable[..., Any]] = {
     Op.SCATTER_ADD: np.add.at,
