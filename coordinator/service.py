@@ -39,7 +39,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxdist.cluster_resolver.base import ENV_TOKEN
 from jaxdist.errors import ConfigurationError
@@ -92,6 +92,59 @@ _PARENT_POLL_S = 0.25
 
 #: Seconds calls in flight may take to finish after SIGTERM or Shutdown.
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
+
+
+class TaskServer:
+    """The gRPC server of one task (PS or worker) in this process.
+
+    ``start`` (returns the bound port) and ``stop`` (stops serving, then closes
+    the servicer's own outgoing channels), or a context manager. With
+    ``metrics`` the servicer's counters (``collector(servicer)``) and the RPC
+    latencies are registered in that exporter (start it yourself).
+    """
+
+    def __init__(
+        self,
+        service_name: str,
+        servicer: Any,
+        collector: Callable[[Any], Any],
+        host: str,
+        port: int,
+        token: str | None,
+        insecure: bool,
+        tls: Any,
+        metrics: MetricsExporter | None,
+        max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.servicer = servicer
+        self.server = rpc.Server(host, port, token=token, insecure=insecure, max_message_bytes=max_message_bytes, tls=tls,
+                                 metrics_registry=metrics.registry if metrics is not None else None)
+        self.server.add_service(service_name, servicer.handlers())
+        if metrics is not None:
+            metrics.register(collector(servicer))
+            metrics.incarnation = servicer.incarnation
+
+    @property
+    def port(self) -> int | None:
+        return self.server.port
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    def start(self) -> int:
+        return self.server.start()
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.server.stop(grace)
+        self.servicer.close()
+
+    def __enter__(self) -> TaskServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class ParameterServer:
+class ParameterServer(service.TaskServer):
     """A PS task in this process (used by tests and by :func:`main`).
 
     Call :meth:`start` (returns the bound port) and :meth:`stop`, or use it as
@@ -42,37 +42,14 @@ class ParameterServer:
         metrics: MetricsExporter | None = None,
     ) -> None:
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
-        self.servicer = ParameterServerServicer(self.store, task_index, token=token)
-        self.server = rpc.Server(host, port, token=token, insecure=insecure, max_message_bytes=max_message_bytes, tls=tls,
-                                 metrics_registry=metrics.registry if metrics is not None else None)
-        self.server.add_service(SERVICE, self.servicer.handlers())
-        if metrics is not None:
-            from jaxdist.metrics import PSCollector
+        super().__init__(SERVICE, ParameterServerServicer(self.store, task_index, token=token), _ps_collector,
+                         host, port, token, insecure, tls, metrics, max_message_bytes)
 
-            metrics.register(PSCollector(self.servicer))
-            metrics.incarnation = self.servicer.incarnation
 
-    @property
-    def port(self) -> int | None:
-        return self.server.port
+def _ps_collector(servicer: ParameterServerServicer) -> Any:
+    from jaxdist.metrics import PSCollector
 
-    @property
-    def address(self) -> str:
-        return self.server.address
-
-    def start(self) -> int:
-        return self.server.start()
-
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace)
-        self.servicer.close()
-
-    def __enter__(self) -> ParameterServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    return PSCollector(servicer)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class WorkerServer:
+class WorkerServer(service.TaskServer):
     """A worker task in this process (tests, and :func:`main`). ``start``/``stop`` or a context manager.
 
     ``tls`` and ``metrics`` as for :class:`jaxdist.ps_server.server.ParameterServer`.
@@ -26,33 +26,13 @@ class WorkerServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None, insecure: bool = False, task_index: int = 0,
                  tls: Any = rpc.FROM_ENV, metrics: MetricsExporter | None = None) -> None:
-        self.servicer = WorkerServicer(task_index, token=token)
-        self.server = rpc.Server(host, port, token=token, insecure=insecure, tls=tls,
-                                 metrics_registry=metrics.registry if metrics is not None else None)
-        self.server.add_service(SERVICE, self.servicer.handlers())
-        if metrics is not None:
-            from jaxdist.metrics import WorkerCollector
+        super().__init__(SERVICE, WorkerServicer(task_index, token=token), _worker_collector, host, port, token, insecure, tls, metrics)
 
-            metrics.register(WorkerCollector(self.servicer))
-            metrics.incarnation = self.servicer.incarnation
 
-    @property
-    def address(self) -> str:
-        return self.server.address
+def _worker_collector(servicer: WorkerServicer) -> Any:
+    from jaxdist.metrics import WorkerCollector
 
-    def start(self) -> int:
-        return self.server.start()
-
-    def stop(self, grace: float | None = 1.0) -> None:
-        self.server.stop(grace)
-        self.servicer.close()
-
-    def __enter__(self) -> WorkerServer:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    return WorkerCollector(servicer)
 
 
 def build_parser() -> argparse.ArgumentParser:
