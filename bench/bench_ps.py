@@ -185,94 +185,26 @@ def bench_plain_jax(repeats: int, steps: int) -> float:
 
 # ------------------------------------------------------------------ jaxdist
 def bench_jaxdist(repeats: int, workers: int, mlp_steps: int, raw: dict[str, float], plain: float) -> None:
-    import jax
-    import optax
+    # The workloads themselves live in jaxdist_workloads.py (shared with compare_tf.py and scaling.py);
+    # this adds the ratios to the references measured above. Imported here: it imports this module.
+    from jaxdist_workloads import JaxdistBench
 
-    import jaxdist
-
-    with jaxdist.LocalCluster(num_workers=workers, num_ps=2) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2))
-        coord = jaxdist.ClusterCoordinator(strategy)
-
-        # (a) no-op closures
-        def noop() -> None:
-            return None
-
-        def closures() -> float:
-            n, t = 5000, time.perf_counter()
-            for _ in range(n):
-                coord.schedule(noop)
-            coord.join()
-            return n / (time.perf_counter() - t)
-
-        closures()
-        med, vals = median_of(closures, repeats)
+    with JaxdistBench(workers=workers, ps=2) as b:
+        b.noop_rate(1000)  # warm
+        med, vals = median_of(lambda: b.noop_rate(5000), repeats)
         emit(workload="jaxdist_noop_closures_per_s", workers=workers, median=round(med, 1), runs=[round(v, 1) for v in vals],
              ratio_to_raw_concurrent_calls=round(med / raw["raw_grpc_tiny_concurrent_calls_per_s"], 2))
 
-        # (b) 64 MB variable in 2 shards on 2 PS, pulled / pushed by every worker at once
-        with strategy.scope():
-            big = jaxdist.create_variable(np.zeros(16 * MB, np.float32), name="big")  # 64 MB
-        per_closure = 3
-
-        def pull_closure() -> float:
-            jaxdist.pull(big)  # warm
-            t = time.perf_counter()
-            for _ in range(per_closure):
-                jaxdist.pull(big)
-            return time.perf_counter() - t
-
-        def push_closure() -> float:
-            delta = np.ones(16 * MB, np.float32)  # made on the worker: closures ship code, not data
-            t = time.perf_counter()
-            for _ in range(per_closure):
-                big.assign_add(delta)
-            return time.perf_counter() - t
-
-        for name, fn, ref in [("pull", pull_closure, "raw_grpc_stream_down_MBps"), ("push", push_closure, "raw_grpc_stream_up_MBps")]:
-            def run(fn: Any = fn) -> float:
-                rvs = [coord.schedule(fn) for _ in range(workers)]
-                coord.join()
-                return workers * per_closure * 64 / max(rv.fetch() for rv in rvs)
-
-            med, vals = median_of(run, repeats)
+        big = b.variable(64)  # 64 MB in 2 shards on 2 PS, pulled / pushed by every worker at once
+        for name, ref in [("pull", "raw_grpc_stream_down_MBps"), ("push", "raw_grpc_stream_up_MBps")]:
+            med, vals = median_of(lambda name=name: b.transfer_rate(name, big, 64), repeats)
             emit(workload=f"jaxdist_{name}_64MB_MBps", workers=workers, ps=2, median=round(med, 1), runs=[round(v, 1) for v in vals],
                  ratio_to_raw_stream=round(med / raw[ref], 2))
 
-        # (c) MLP 784-1024-1024-10, batch 256, SGD on the PS
-        with strategy.scope():
-            params = jaxdist.create_variables(mlp_init(), name="mlp", optimizer=optax.sgd(0.01))
-
-        def dataset_fn(ctx: Any) -> Any:
-            rng = np.random.default_rng(ctx.input_pipeline_id)
-            x = rng.standard_normal((256, 784)).astype(np.float32)
-            y = rng.integers(0, 10, 256).astype(np.int32)
-            while True:
-                yield x, y
-
-        grad_fn = jax.jit(jax.grad(mlp_loss))
-
-        def train_step(it: Any) -> None:
-            x, y = next(it)
-            jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params), x, y))
-
-        it = iter(coord.create_per_worker_dataset(dataset_fn))
-        for _ in range(2 * workers):
-            coord.schedule(train_step, args=(it,))
-        coord.join()
-
-        def mlp() -> float:
-            t = time.perf_counter()
-            for _ in range(mlp_steps):
-                coord.schedule(train_step, args=(it,))
-            coord.join()
-            return mlp_steps / (time.perf_counter() - t)
-
-        med, vals = median_of(mlp, repeats)
+        b.mlp_setup()  # MLP 784-1024-1024-10, batch 256, SGD on the PS
+        med, vals = median_of(lambda: b.mlp_rate(mlp_steps), repeats)
         emit(workload="jaxdist_mlp_steps_per_s", workers=workers, ps=2, batch=256, median=round(med, 2),
              runs=[round(v, 2) for v in vals], examples_per_s=round(med * 256), ratio_to_plain_jax=round(med / plain, 2))
-        coord.shutdown()
-        strategy.close()
 
 
 def main() -> None:
