@@ -63,6 +63,8 @@ def _task(argv: list[str]) -> int:
     p.add_argument("--host", default="0.0.0.0", help="address PS/worker tasks bind (default: all interfaces)")
     p.add_argument("--insecure", action="store_true", help="serve without a token on a non-loopback address")
     p.add_argument("--metrics-port", default=None, help="PS/worker tasks serve Prometheus metrics on this port")
+    p.add_argument("--data-port", default=None,
+                   help="PS tasks serve the bulk data plane (Pull/Push over TCP) on this port (default: a free one)")
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -84,7 +86,7 @@ def _task(argv: list[str]) -> int:
         if role == "ps":
             from jaxdist.ps_server.server import main as ps_main
 
-            return ps_main(serve)
+            return ps_main(serve + (["--data-port", args.data_port] if args.data_port is not None else []))
         from jaxdist.worker.server import main as worker_main
 
         return worker_main(serve)

@@ -129,6 +129,14 @@ class TaskServer:
         return self.server.port
 
     @property
+    def host(self) -> str:
+        return self.server.host
+
+    @property
+    def tls(self) -> rpc.TLSConfig | None:
+        return self.server.tls
+
+    @property
     def address(self) -> str:
         return self.server.address
 
@@ -232,7 +240,7 @@ def _die_with_parent() -> None:
 
 
 def run_service(
-    server: rpc.Server,
+    server: rpc.Server | TaskServer,
     role: str,
     index: int,
     shutdown_event: threading.Event,

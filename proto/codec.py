@@ -154,7 +154,7 @@ def iter_frames(arrays: Iterable[np.ndarray], chunk_bytes: int = CHUNK_BYTES) ->
     parts: list[memoryview] = []
     size = 0
     for arr in arrays:
-        mv = memoryview(_byte_view(arr))
+        mv = memoryview(byte_view(arr))
         pos, n = 0, len(mv)
         while pos < n:
             take = min(chunk_bytes - size, n - pos)
@@ -172,9 +172,19 @@ def _fits(arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> bool:
     return arr.shape == tuple(shape) and arr.dtype == dtype and arr.flags.c_contiguous and arr.flags.writeable
 
 
-def _byte_view(arr: np.ndarray) -> np.ndarray:
+def byte_view(arr: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (works for bfloat16 and 0-d arrays too)."""
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def destination_arrays(
+    specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None
+) -> list[np.ndarray]:
+    """One array per spec to receive into: ``out[i]`` when it is writable, C-contiguous and
+    matches spec ``i`` (e.g. a shard's rows of a preallocated full variable), else a new one."""
+    outs = list(out) if out is not None else []
+    outs += [None] * (len(specs) - len(outs))
+    return [o if o is not None and _fits(o, shape, dtype) else np.empty(shape, dtype) for (shape, dtype), o in zip(specs, outs)]
 
 
 class FrameReader:
@@ -189,12 +199,8 @@ class FrameReader:
         """``out`` optionally gives, per spec, a writable C-contiguous array to fill in place
         (e.g. a shard's rows of a preallocated full variable); one that does not
         match its spec's shape and dtype is ignored and a new array is allocated."""
-        outs = list(out) if out is not None else [None] * len(specs)
-        self.arrays = [
-            o if o is not None and _fits(o, shape, dtype) else np.empty(shape, dtype)
-            for (shape, dtype), o in zip(specs, outs + [None] * (len(specs) - len(outs)))
-        ]
-        self._views = [memoryview(_byte_view(a)) if a.nbytes else None for a in self.arrays]
+        self.arrays = destination_arrays(specs, out)
+        self._views = [memoryview(byte_view(a)) if a.nbytes else None for a in self.arrays]
         self._idx = 0
         self._pos = 0
         self._skip_empty()

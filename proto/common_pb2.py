@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxdist/proto/common.proto\x12\x07jaxdist\":\n\nTensorSpec\x12\x1d\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0e.jaxdist.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"9\n\x06Tensor\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.jaxdist.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x07\n\x05\x45mpty\"4\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x11\n\texit_code\x18\x02 \x01(\x05\"\x12\n\x10ShutdownResponse\"\xb6\x01\n\nTaskStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x33\n\x08\x63ounters\x18\x05 \x03(\x0b\x32!.jaxdist.TaskStatus.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xb3\x01\n\x05\x44Type\x12\x11\n\rDTYPE_INVALID\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT16\x10\x04\x12\x08\n\x04INT8\x10\x05\x12\t\n\x05INT16\x10\x06\x12\t\n\x05INT32\x10\x07\x12\t\n\x05INT64\x10\x08\x12\t\n\x05UINT8\x10\t\x12\n\n\x06UINT16\x10\n\x12\n\n\x06UINT32\x10\x0b\x12\n\n\x06UINT64\x10\x0c\x12\x08\n\x04\x42OOL\x10\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxdist/proto/common.proto\x12\x07jaxdist\":\n\nTensorSpec\x12\x1d\n\x05\x64type\x18\x01 \x01(\x0e\x32\x0e.jaxdist.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\"9\n\x06Tensor\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.jaxdist.TensorSpec\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x07\n\x05\x45mpty\"4\n\x0fShutdownRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x11\n\texit_code\x18\x02 \x01(\x05\"\x12\n\x10ShutdownResponse\"\xc9\x01\n\nTaskStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x10\n\x08uptime_s\x18\x04 \x01(\x01\x12\x33\n\x08\x63ounters\x18\x05 \x03(\x0b\x32!.jaxdist.TaskStatus.CountersEntry\x12\x11\n\tdata_port\x18\x06 \x01(\r\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*\xb3\x01\n\x05\x44Type\x12\x11\n\rDTYPE_INVALID\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT64\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x12\x0b\n\x07\x46LOAT16\x10\x04\x12\x08\n\x04INT8\x10\x05\x12\t\n\x05INT16\x10\x06\x12\t\n\x05INT32\x10\x07\x12\t\n\x05INT64\x10\x08\x12\t\n\x05UINT8\x10\t\x12\n\n\x06UINT16\x10\n\x12\n\n\x06UINT32\x10\x0b\x12\n\n\x06UINT64\x10\x0c\x12\x08\n\x04\x42OOL\x10\rb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TASKSTATUS_COUNTERSENTRY']._loaded_options = None
   _globals['_TASKSTATUS_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=427
-  _globals['_DTYPE']._serialized_end=606
+  _globals['_DTYPE']._serialized_start=446
+  _globals['_DTYPE']._serialized_end=625
   _globals['_TENSORSPEC']._serialized_start=39
   _globals['_TENSORSPEC']._serialized_end=97
   _globals['_TENSOR']._serialized_start=99
@@ -46,7 +46,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SHUTDOWNRESPONSE']._serialized_start=221
   _globals['_SHUTDOWNRESPONSE']._serialized_end=239
   _globals['_TASKSTATUS']._serialized_start=242
-  _globals['_TASKSTATUS']._serialized_end=424
-  _globals['_TASKSTATUS_COUNTERSENTRY']._serialized_start=377
-  _globals['_TASKSTATUS_COUNTERSENTRY']._serialized_end=424
+  _globals['_TASKSTATUS']._serialized_end=443
+  _globals['_TASKSTATUS_COUNTERSENTRY']._serialized_start=396
+  _globals['_TASKSTATUS_COUNTERSENTRY']._serialized_end=443
 # @@protoc_insertion_point(module_scope)

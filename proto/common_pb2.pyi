@@ -71,7 +71,7 @@ class ShutdownResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TaskStatus(_message.Message):
-    __slots__ = ("role", "index", "incarnation", "uptime_s", "counters")
+    __slots__ = ("role", "index", "incarnation", "uptime_s", "counters", "data_port")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,9 +84,11 @@ class TaskStatus(_message.Message):
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PORT_FIELD_NUMBER: _ClassVar[int]
     role: str
     index: int
     incarnation: str
     uptime_s: float
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., incarnation: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    data_port: int
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., incarnation: _Optional[str] = ..., uptime_s: _Optional[float] = ..., counters: _Optional[_Mapping[str, float]] = ..., data_port: _Optional[int] = ...) -> None: ...

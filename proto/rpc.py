@@ -318,6 +318,12 @@ class _LatencyInterceptor(grpc.ServerInterceptor):
                                ["method"], registry=registry)
         self._cache: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
 
+    def observe(self, method: str, seconds: float, failed: bool) -> None:
+        """Record one call served outside gRPC (the bulk data plane) under ``method``."""
+        self._hist.labels(method).observe(seconds)
+        if failed:
+            self._errors.labels(method).inc()
+
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None:
@@ -449,8 +455,10 @@ class Server:
         self.tls: TLSConfig | None = _resolve_tls(tls)
         self._credentials = self.tls.server_credentials() if self.tls is not None else None  # fail early on bad files
         interceptors: list[grpc.ServerInterceptor] = []
+        self._latency: _LatencyInterceptor | None = None
         if metrics_registry is not None:
-            interceptors.append(_LatencyInterceptor(metrics_registry))
+            self._latency = _LatencyInterceptor(metrics_registry)
+            interceptors.append(self._latency)
         if token:
             interceptors.append(_AuthInterceptor(token))
         self._server = grpc.server(
@@ -474,6 +482,12 @@ class Server:
         self.port: int | None = None
         self._stopped = threading.Event()
         self._services: list[str] = []
+
+    def observe_call(self, method: str, seconds: float, failed: bool) -> None:
+        """Count a call served beside gRPC (e.g. ``"jaxdist.ParameterServer/Pull"`` over the data plane)
+        in this server's latency metrics, when it has them."""
+        if self._latency is not None:
+            self._latency.observe(method, seconds, failed)
 
     def add_service(self, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

@@ -62,7 +62,11 @@ def error_from_rpc(err: grpc.RpcError, task: str, role: str) -> E.JaxdistError:
     """
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = (err.details() if hasattr(err, "details") else "") or ""
-    reason = reason_of(err)
+    return error_from_status(code, details, reason_of(err), task, role)
+
+
+def error_from_status(code: grpc.StatusCode, details: str, reason: str, task: str, role: str) -> E.JaxdistError:
+    """Typed error from a status code, its details and reason (both transports: gRPC and the data plane)."""
     message = f"{task}: {details}" if details else f"{task}: {code.name}"
     cls = _BY_REASON.get(reason)
     if cls is not None:

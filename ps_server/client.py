@@ -5,11 +5,21 @@ typed :mod:`jaxdist.errors` exceptions, classified by status code and by the
 fact that a PS was called (an unreachable PS is ``PSUnavailableError``).
 Pull is idempotent and retried by gRPC on UNAVAILABLE (service config); Push
 is retried by callers only with an ``update_id`` so the PS drops duplicates.
+
+Pull and Push (and creates) travel over the PS's bulk data plane
+(:mod:`jaxdist.proto.bulk`) when it announces one and this process may use it
+(no TLS, ``JAXDIST_DATA_PLANE`` not ``0``); the port is learnt once from
+GetStatus. When the announced port cannot be reached although gRPC can (a
+firewall, a port not exposed by a Kubernetes Service), the client logs a
+warning and moves tensors over gRPC from then on. Errors are the same typed
+errors on either path.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +28,10 @@ import cloudpickle
 import grpc
 import numpy as np
 
-from jaxdist.proto import codec, common_pb2, ps_pb2, rpc
-from jaxdist.proto.status import error_from_rpc
+from jaxdist.proto import bulk, codec, common_pb2, ps_pb2, rpc
+from jaxdist.proto.status import error_from_rpc, error_from_status
+
+logger = logging.getLogger(__name__)
 
 _SVC = "/jaxdist.ParameterServer/"
 
@@ -50,6 +62,16 @@ def optimizer_payload(optimizer: Any) -> tuple[bytes, str]:
     """``(cloudpickled optimizer, its sha256)``: the PS caches optimizers by that digest."""
     blob = cloudpickle.dumps(optimizer)
     return blob, hashlib.sha256(blob).hexdigest()
+
+
+def _dial_host(address: str) -> str | None:
+    """The host of a plain ``host:port`` / ``[v6]:port`` address; None for gRPC target URIs (``dns:///...``)."""
+    if "/" in address or address.count(":") == 0:
+        return None
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or not host or (":" in host and not host.startswith("[")):
+        return None
+    return host.strip("[]")
 
 
 def deadline_for(nbytes: int) -> float:
@@ -108,9 +130,24 @@ def encode_push(specs: Sequence[PushSpec], update_id: str = "", out: ps_pb2.Push
 class PSClient:
     """Client for one PS task. Thread-safe; create one per (process, PS task)."""
 
-    def __init__(self, address: str, token: str | None = None, task: str = "ps:?", channel: grpc.Channel | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None = None,
+        task: str = "ps:?",
+        channel: grpc.Channel | None = None,
+        data_plane: bool | None = None,
+    ) -> None:
+        """``data_plane``: use the PS's bulk data plane when it has one (default: yes unless this
+        process uses TLS or ``JAXDIST_DATA_PLANE=0``)."""
         self.address = address
         self.task = task
+        if data_plane is None:
+            data_plane = bulk.enabled() and rpc.default_tls() is None
+        self._bulk_host = _dial_host(address) if data_plane else None
+        self._bulk: bulk.BulkClient | None = None
+        self._bulk_lock = threading.Lock()
+        self._token = token
         self._own_channel = channel is None
         self._channel = channel if channel is not None else rpc.make_channel(address)
         self._md = rpc.auth_metadata(token)
@@ -128,8 +165,64 @@ class PSClient:
         self._promote = rpc.unary_method(ch, _SVC + "Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
 
     def close(self) -> None:
+        with self._bulk_lock:
+            b, self._bulk, self._bulk_host = self._bulk, None, None
+        if b is not None:
+            b.close()
         if self._own_channel:
             self._channel.close()
+
+    # ------------------------------------------------------------- data plane
+    @property
+    def uses_data_plane(self) -> bool | None:
+        """True once calls go over the data plane, False when they use gRPC, None before the first call."""
+        if self._bulk is not None:
+            return True
+        return None if self._bulk_host is not None else False
+
+    def _data_plane(self) -> bulk.BulkClient | None:
+        """The data-plane client, discovering the PS's port on first use (one GetStatus)."""
+        b = self._bulk
+        if b is not None or self._bulk_host is None:
+            return b
+        with self._bulk_lock:
+            if self._bulk is None and self._bulk_host is not None:
+                port = self.status().data_port  # a PS that cannot be reached raises its typed error here
+                if port:
+                    self._bulk = bulk.BulkClient(self._bulk_host, port, self._token)
+                else:
+                    self._bulk_host = None  # this PS serves no data plane: gRPC only
+            return self._bulk
+
+    def _bulk_call(self, method: int, header: bytes, arrays: Sequence[np.ndarray], timeout: float, receive: Any = None) -> Any:
+        """One data-plane call; None when this client uses gRPC (the caller then does)."""
+        b = self._data_plane()
+        if b is None:
+            return None
+        try:
+            return b.call(method, header, arrays, timeout, receive)
+        except bulk.BulkError as e:
+            if e.connected:
+                raise error_from_status(e.code, e.details, e.reason, self.task, "ps") from None
+            first = e
+        # Nothing was sent: the PS restarted on another port, or its port is not reachable from here.
+        with self._bulk_lock:
+            if self._bulk is b:
+                self._bulk = None
+        b.close()
+        b2 = self._data_plane()
+        if b2 is not None and b2.port != b.port:
+            try:
+                return b2.call(method, header, arrays, timeout, receive)
+            except bulk.BulkError as e:
+                raise error_from_status(e.code, e.details, e.reason, self.task, "ps") from None
+        if b2 is not None:
+            logger.warning("%s: data plane %s:%d is unreachable (%s) while gRPC works; moving tensors over gRPC "
+                           "from now on (open that port to use the data plane)", self.task, b2.host, b2.port, first.details)
+            with self._bulk_lock:
+                self._bulk, self._bulk_host = None, None
+            b2.close()
+        return None
 
     def __enter__(self) -> PSClient:
         return self
@@ -155,8 +248,22 @@ class PSClient:
             if s.indices is not None:
                 codec.tensor_to_proto(np.asarray(s.indices, dtype=np.int64), e.indices)
                 e.has_indices = True
+        timeout = timeout or _BASE_DEADLINE_S * 6
+        if self._bulk_host is not None:
+            got: dict[str, Any] = {}
+
+            def receive(body: bytes) -> list[np.ndarray]:
+                header = got["header"] = ps_pb2.PullHeader.FromString(body)
+                sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
+                wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
+                return codec.destination_arrays(wanted, None if out is None else [out[i] if i < len(out) else None for i in sent])
+
+            res = self._bulk_call(bulk.PULL, req.SerializeToString(), (), timeout, receive)
+            if res is not None:
+                arrays = iter(res[1])
+                return [(None if p.not_modified else next(arrays), p.version) for p in got["header"].entries]
         try:
-            stream = self._pull(req, metadata=self._md, timeout=timeout or _BASE_DEADLINE_S * 6)
+            stream = self._pull(req, metadata=self._md, timeout=timeout)
             header = ps_pb2.PullHeader.FromString(next(stream))
             sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
             wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
@@ -175,6 +282,10 @@ class PSClient:
 
     def _send(self, header: Any, arrays: list[np.ndarray], timeout: float | None, method: Any = None) -> ps_pb2.PushResponse:
         nbytes = sum(a.nbytes for a in arrays)
+        if method is None and self._bulk_host is not None:
+            res = self._bulk_call(bulk.PUSH, header.SerializeToString(), arrays, timeout or deadline_for(nbytes))
+            if res is not None:
+                return ps_pb2.PushResponse.FromString(res[0])
         try:
             return (method or self._push)(self._stream(header, arrays), metadata=self._md, timeout=timeout or deadline_for(nbytes))
         except grpc.RpcError as e:

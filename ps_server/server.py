@@ -8,7 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.errors import ConfigurationError
-from jaxdist.proto import rpc
+from jaxdist.proto import bulk, rpc
 from jaxdist.ps_server.servicer import SERVICE, ParameterServerServicer
 from jaxdist.ps_server.store import DEFAULT_MAX_VARIABLE_BYTES, VariableStore
 from jaxdist import service
@@ -40,10 +40,39 @@ class ParameterServer(service.TaskServer):
         max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
         tls: Any = rpc.FROM_ENV,
         metrics: MetricsExporter | None = None,
+        data_port: int | None = 0,
     ) -> None:
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
         super().__init__(SERVICE, ParameterServerServicer(self.store, task_index, token=token), _ps_collector,
                          host, port, token, insecure, tls, metrics, max_message_bytes)
+        # The bulk data plane serves Pull/Push beside gRPC (see jaxdist.proto.bulk). It is
+        # plaintext, so a PS serving TLS leaves it off and clients move tensors over gRPC+TLS.
+        self.bulk: bulk.BulkServer | None = None
+        if data_port is not None and bulk.enabled() and self.server.tls is None:
+            self.bulk = bulk.BulkServer(self.servicer.bulk_handlers(), host, data_port, token,
+                                        observe=lambda m, sec, failed: self.server.observe_call(f"{SERVICE}/{m}", sec, failed))
+
+    @property
+    def data_port(self) -> int | None:
+        """The bound data-plane port (after :meth:`start`), None without a data plane."""
+        return self.bulk.port if self.bulk is not None else None
+
+    def start(self) -> int:
+        port = super().start()
+        if self.bulk is not None:
+            try:
+                self.servicer.data_port = self.bulk.start()
+            except ConfigurationError:
+                self.server.stop(grace=None)
+                raise
+            logger.info("ps:%d data plane on %s:%d", self.servicer.task_index, self.server.host, self.servicer.data_port)
+        return port
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        self.servicer.data_port = 0
+        super().stop(grace)
+        if self.bulk is not None:
+            self.bulk.stop(grace)
 
 
 def _ps_collector(servicer: ParameterServerServicer) -> Any:
@@ -57,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
     service.add_server_args(p)
     p.add_argument("--max-variable-mb", type=float, default=DEFAULT_MAX_VARIABLE_BYTES / 2**20,
                    help="largest variable (shard) this PS accepts, in MiB")
+    p.add_argument("--data-port", type=int, default=0,
+                   help="TCP port of the bulk data plane for Pull/Push (0 picks a free one; it is announced in "
+                        "GetStatus, and clients that cannot reach it use gRPC); off with TLS or --no-data-plane")
+    p.add_argument("--no-data-plane", action="store_true",
+                   help=f"move tensors over gRPC only (also: {bulk.ENV_DATA_PLANE}=0)")
     return p
 
 
@@ -74,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             max_variable_bytes=int(args.max_variable_mb * 2**20),
             tls=service.tls_from_args(args),
             metrics=metrics,
+            data_port=None if args.no_data_plane else args.data_port,
         )
     except ConfigurationError as e:
         print(f"jaxdist ps: {e}", file=sys.stderr)
@@ -85,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"duplicates={stats['duplicates']:.0f} pulls={stats['pulls']:.0f} variables={len(ps.store.info())}")
 
     return service.run_service(
-        ps.server, "ps", args.task_index, ps.servicer.shutdown_event, lambda: ps.servicer.exit_code,
+        ps, "ps", args.task_index, ps.servicer.shutdown_event, lambda: ps.servicer.exit_code,
         metrics=metrics, metrics_host=args.metrics_host, metrics_port=args.metrics_port or 0,
         drain_timeout=args.drain_timeout, final_report=report,
     )

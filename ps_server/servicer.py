@@ -8,7 +8,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import cloudpickle
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxdist.errors import InvalidRequestError
-from jaxdist.proto import codec, common_pb2, ps_pb2, rpc
+from jaxdist.proto import bulk, codec, common_pb2, ps_pb2, rpc
 from jaxdist.ps_server import replication as repl
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import IfExists, VariableStore
@@ -49,6 +49,7 @@ class ParameterServerServicer:
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
+        self.data_port = 0  # set when a bulk data plane serves this PS (announced in GetStatus)
         self.exit_code = 0
         self._optimizers: dict[str, Optimizer] = {}
         self._opt_lock = threading.Lock()
@@ -88,7 +89,11 @@ class ParameterServerServicer:
                 self.variable_bytes[(direction, name)] = self.variable_bytes.get((direction, name), 0.0) + nbytes
 
     # -------------------------------------------------------------------- pull
-    def pull(self, req: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+    # Pull and Push are served over gRPC (``pull``/``push``) and over the bulk
+    # data plane (``bulk_handlers``); both go through the same two halves below.
+    @contextmanager
+    def _pull_snapshot(self, req: ps_pb2.PullRequest) -> Iterator[tuple[ps_pb2.PullHeader, list[np.ndarray]]]:
+        """The response header and payload arrays, valid while the context is open (read snapshots)."""
         self.replication.check_primary(self.task)
         entries = list(req.entries)
         max_idx = self.store.max_variable_bytes
@@ -109,15 +114,16 @@ class ParameterServerServicer:
                     payload.append(r.value)
             self._count(pulls=1, bytes_pulled=sum(a.nbytes for a in payload))
             self._count_variables("pulled", ((e.name, r.value.nbytes) for e, r in zip(entries, results) if r.value is not None))
+            yield header, payload
+
+    def pull(self, req: ps_pb2.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        with self._pull_snapshot(req) as (header, payload):
             yield header.SerializeToString()
             yield from codec.iter_frames(payload)
 
     # -------------------------------------------------------------------- push
-    def push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
-        try:
-            first = next(frames)
-        except StopIteration:
-            raise InvalidRequestError("empty Push stream: the first frame must be a PushHeader") from None
+    def _push_specs(self, first: bytes) -> tuple[ps_pb2.PushHeader, list[tuple[tuple[int, ...], np.dtype]]]:
+        """Parse and check a push's header; the specs of its payload arrays, in order."""
         self.replication.check_primary(self.task)
         header = ps_pb2.PushHeader.FromString(first)
         if not header.entries:
@@ -129,11 +135,11 @@ class ParameterServerServicer:
                 specs.append(codec.spec_from_proto(e.value, limit))
             if e.has_indices:
                 specs.append(codec.spec_from_proto(e.indices, limit))
-        reader = codec.FrameReader(specs)
-        for frame in frames:
-            reader.feed(frame)
-        arrays = iter(reader.finish())
-        self._count(pushes=1, bytes_pushed=reader.total)
+        return header, specs
+
+    def _push_apply(self, header: ps_pb2.PushHeader, received: list[np.ndarray]) -> ps_pb2.PushResponse:
+        self._count(pushes=1, bytes_pushed=sum(a.nbytes for a in received))
+        arrays = iter(received)
         creates = [e.op == ps_pb2.CREATE for e in header.entries]
         if any(creates):
             if not all(creates):
@@ -147,6 +153,34 @@ class ParameterServerServicer:
         if dup:
             self._count(duplicates=1)
         return ps_pb2.PushResponse(versions=versions, duplicate=dup)
+
+    def push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
+        try:
+            first = next(frames)
+        except StopIteration:
+            raise InvalidRequestError("empty Push stream: the first frame must be a PushHeader") from None
+        header, specs = self._push_specs(first)
+        reader = codec.FrameReader(specs)
+        for frame in frames:
+            reader.feed(frame)
+        return self._push_apply(header, reader.finish())
+
+    # ------------------------------------------------------------- data plane
+    def bulk_handlers(self) -> dict[int, bulk.Handler]:
+        """Pull and Push for :class:`jaxdist.proto.bulk.BulkServer` (same messages, raw framing)."""
+        return {bulk.PULL: self._bulk_pull, bulk.PUSH: self._bulk_push}
+
+    @contextmanager
+    def _bulk_pull(self, header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list[np.ndarray]]]:
+        with self._pull_snapshot(ps_pb2.PullRequest.FromString(header)) as (resp, arrays):
+            yield resp.SerializeToString(), arrays
+
+    @contextmanager
+    def _bulk_push(self, header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list[np.ndarray]]]:
+        msg, specs = self._push_specs(header)
+        received = codec.destination_arrays(specs)
+        payload.read_into(received)
+        yield self._push_apply(msg, received).SerializeToString(), []
 
     def _optimizer(self, blob: bytes, digest: str) -> Optimizer | None:
         if not blob and not digest:
@@ -266,7 +300,7 @@ class ParameterServerServicer:
         counters["replica_degraded"] = float(r.degraded_events)
         return common_pb2.TaskStatus(
             role="ps", index=self.task_index, incarnation=self.incarnation,
-            uptime_s=time.monotonic() - self.started, counters=counters,
+            uptime_s=time.monotonic() - self.started, counters=counters, data_port=self.data_port,
         )
 
     def shutdown(self, req: common_pb2.ShutdownRequest, context: grpc.ServicerContext) -> common_pb2.ShutdownResponse:

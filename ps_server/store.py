@@ -417,12 +417,20 @@ class VariableStore:
             var.value, var.device_value, var.opt_state = var.optimizer.apply(start, var.opt_state, value)
             return
         var.device_value = None
+        # In place when nobody streams the current array (no open read snapshot), else a new
+        # array, so a pull in flight keeps sending the value it started with.
+        in_place = not var.readers and var.value.flags.writeable
         if op is Op.ASSIGN:
-            var.value = np.array(value, copy=True)
-        elif op is Op.ASSIGN_ADD:
-            var.value = var.value + value
-        elif op is Op.ASSIGN_SUB:
-            var.value = var.value - value
+            if in_place:
+                np.copyto(var.value, value)
+            else:
+                var.value = np.array(value, copy=True)
+        elif op is Op.ASSIGN_ADD or op is Op.ASSIGN_SUB:
+            ufunc = np.add if op is Op.ASSIGN_ADD else np.subtract
+            if in_place:
+                ufunc(var.value, value, out=var.value)
+            else:
+                var.value = ufunc(var.value, value)
         elif op is Op.SCATTER_UPDATE:
             assert idx is not None
             var.writable_value()[idx] = value  # last write wins for duplicate indices, as TF

@@ -32,12 +32,15 @@ def ps_server() -> Iterator[object]:
     ps.stop(grace=None)
 
 
-@pytest.fixture
-def ps_client(ps_server: object) -> Iterator[object]:
+@pytest.fixture(params=["data_plane", "grpc"])
+def ps_client(ps_server: object, request: pytest.FixtureRequest) -> Iterator[object]:
+    """A client of ``ps_server``, once moving tensors over the bulk data plane, once over gRPC."""
     from jaxdist.ps_server.client import PSClient
 
-    c = PSClient(ps_server.address, token=TOKEN, task="ps:0")  # type: ignore[attr-defined]
+    bulk = request.param == "data_plane"
+    c = PSClient(ps_server.address, token=TOKEN, task="ps:0", data_plane=bulk)  # type: ignore[attr-defined]
     yield c
+    assert c.uses_data_plane in ((True, None) if bulk else (False,))
     c.close()
 
 

@@ -276,9 +276,16 @@ def test_k8s_every_pod_resolves_to_one_cluster() -> None:
         host, port = r.master().rsplit(":", 1)
         assert host == f"{pod.hostname}.{pod.subdomain}", (pod.hostname, r.master())
         assert r.task_type == pod.labels["app.kubernetes.io/component"]
-        ports = {p["containerPort"] for p in pod.container.get("ports", [])}
+        ports = {p["containerPort"] for p in pod.container.get("ports", []) if p["name"] == "grpc"}
         if r.task_type in ("ps", "worker"):
             assert ports == {int(port)}, f"{pod.hostname} serves {ports}, TF_CONFIG says {port}"
+        # A PS's data plane port is the one its container declares (and not its gRPC port).
+        data = [p["containerPort"] for p in pod.container.get("ports", []) if p["name"] == "data"]
+        if r.task_type == "ps":
+            args = pod.container["args"]
+            assert data == [int(args[args.index("--data-port") + 1])] and data[0] != int(port), pod.hostname
+        else:
+            assert not data and "--data-port" not in pod.container["args"], pod.hostname
     assert len(specs) == 1, f"pods disagree on the cluster: {specs}"
     (spec,) = specs
     assert set(spec.jobs) == {"chief", "ps", "worker"}
@@ -313,7 +320,7 @@ def test_k8s_servers_have_grpc_probes_resources_and_token() -> None:
         assert c["args"][0] == "task"
         if role in ("ps", "worker"):
             assert c["args"][c["args"].index("--host") + 1] == "0.0.0.0"
-            (port,) = {p["containerPort"] for p in c["ports"]}
+            (port,) = {p["containerPort"] for p in c["ports"] if p["name"] == "grpc"}
             for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
                 assert c[probe]["grpc"] == {"port": port}, f"{pod.hostname} {probe}"
         else:

@@ -1,0 +1,574 @@
+"""Bulk data plane: parameter-server Pull and Push over a plain TCP connection, beside gRPC.
+
+Why: on the machines we measured, Python gRPC spends ~1.3 core-ms per MB
+moved (both ends together) while a plain TCP socket moving the same bytes
+with ``sendall``/``recv_into`` spends ~0.65. Pull and push of tensors are
+where a parameter server spends its time, so they get this second path.
+Everything else (control calls, checkpoints, replication, health) stays on
+gRPC, and Pull/Push keep working over gRPC too: the data plane is used only
+when the PS announces a data port (``TaskStatus.data_port``) and the client
+can reach it; otherwise clients use gRPC (see :class:`jaxdist.ps_server.client.PSClient`).
+
+The calls carry the same messages as the gRPC methods (``PullRequest`` /
+``PullHeader``, ``PushHeader`` / ``PushResponse``), so semantics (versions,
+dedupe of ``update_id``, replication, fencing, typed errors) are the same;
+only the framing differs: tensor bytes go from numpy buffers to the socket
+and from the socket into preallocated numpy arrays with no copy in Python.
+
+Wire format (little-endian; one connection carries one call at a time):
+
+- hello, client -> server, once: ``"JXB1"``, u32 token length, token bytes;
+  the server answers with a response envelope (OK, or UNAUTHENTICATED /
+  RESOURCE_EXHAUSTED and then closes).
+- request: ``"JXRQ"``, u8 method, 3 pad bytes, u32 header length, u64 payload
+  length; then the header message and the payload bytes.
+- response: ``"JXRS"``, u32 gRPC status code, u32 reason length, u32 body
+  length, u64 payload length; then the reason (the typed error's ``reason``,
+  see :mod:`jaxdist.proto.status`), the body (the response message when OK,
+  the error text otherwise) and the payload.
+
+Bad input never kills a server: an unknown method, bad magic or over-large
+header ends that connection after an error response (the framing can no
+longer be trusted); a request whose header is garbage, names an unknown
+variable or announces the wrong payload size gets its payload drained and an
+error response, and the connection stays usable. Every call has a deadline
+(socket timeouts, from the caller's deadline); the server bounds the time a
+started request may take too, and detects dead idle peers with TCP keepalive.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import select
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf.message import DecodeError
+
+from jaxdist import errors as E
+from jaxdist.proto import codec
+
+logger = logging.getLogger(__name__)
+
+#: ``JAXDIST_DATA_PLANE=0`` turns the data plane off in this process (PS: not served; client: not used).
+ENV_DATA_PLANE = "JAXDIST_DATA_PLANE"
+
+
+def enabled() -> bool:
+    """Whether this process may serve or use the data plane (``JAXDIST_DATA_PLANE`` is not ``0``)."""
+    return os.environ.get(ENV_DATA_PLANE, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+HELLO_MAGIC = b"JXB1"
+REQUEST_MAGIC = b"JXRQ"
+RESPONSE_MAGIC = b"JXRS"
+_HELLO = struct.Struct("<4sI")
+_REQUEST = struct.Struct("<4sB3xIQ")
+_RESPONSE = struct.Struct("<4sIIIQ")
+
+#: Method numbers on the wire.
+PULL = 1
+PUSH = 2
+METHOD_NAMES = {PULL: "Pull", PUSH: "Push"}
+
+MAX_TOKEN_BYTES = 4096
+#: Largest header message; bigger means garbage or abuse (the gRPC limit for messages is the same).
+MAX_HEADER_BYTES = 64 << 20
+#: Connections one server accepts at once; more are refused with RESOURCE_EXHAUSTED.
+DEFAULT_MAX_CONNECTIONS = 256
+#: A client that connected must say hello within this time.
+HELLO_TIMEOUT_S = 10.0
+#: Server side bound on one started request: base + bytes at a slow rate.
+_REQUEST_BASE_S = 30.0
+_REQUEST_MIN_RATE = 20e6
+_DRAIN_CHUNK = 1 << 20
+
+
+class BulkError(Exception):
+    """A data-plane call failed with gRPC status ``code``.
+
+    ``connected`` is False when no connection could be made at all (nothing
+    was sent); the caller may then fall back to gRPC or rediscover the port.
+    """
+
+    def __init__(self, code: grpc.StatusCode, details: str, reason: str = "", connected: bool = True) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+        self.reason = reason
+        self.connected = connected
+
+
+_CODE_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def _status_code(value: int) -> grpc.StatusCode:
+    return _CODE_BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+# ------------------------------------------------------------------ socket I/O
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    pos, n = 0, len(view)
+    while pos < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline exceeded")
+            sock.settimeout(left)
+        got = sock.recv_into(view[pos:], n - pos)
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        pos += got
+
+
+def _byte_views(arrays: Sequence[np.ndarray]) -> list[memoryview]:
+    return [memoryview(codec.byte_view(a)) for a in arrays if a.nbytes]
+
+
+def _tune(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    # Dead peers (a host that froze or vanished) are noticed in ~25 s even when idle.
+    for opt, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def _response_envelope(code: grpc.StatusCode, reason: bytes, body: bytes, payload_len: int) -> bytes:
+    return _RESPONSE.pack(RESPONSE_MAGIC, code.value[0], len(reason), len(body), payload_len) + reason + body
+
+
+def _error_response(exc: E.JaxdistError) -> bytes:
+    return _response_envelope(exc.code, exc.reason.encode(), (str(exc) or type(exc).__name__).encode(), 0)
+
+
+def _shutdown(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------- server
+class Payload:
+    """The payload bytes of one request, read straight into arrays the handler provides."""
+
+    def __init__(self, sock: socket.socket, nbytes: int, deadline: float) -> None:
+        self._sock = sock
+        self.nbytes = nbytes
+        self.remaining = nbytes
+        self._deadline = deadline
+
+    def read_into(self, arrays: Sequence[np.ndarray]) -> None:
+        """Fill ``arrays`` (C-contiguous, writable) with the whole payload.
+
+        Raises:
+            InvalidRequestError: their sizes do not add up to the payload's
+                announced length (the payload is left to be drained).
+        """
+        want = sum(a.nbytes for a in arrays)
+        if want != self.remaining:
+            raise E.InvalidRequestError(
+                f"request announces {self.remaining} payload bytes but its header describes {want}"
+            )
+        for view in _byte_views(arrays):
+            _recv_into(self._sock, view, self._deadline)
+            self.remaining -= len(view)
+
+    def drain(self) -> None:
+        """Read and drop what is left, so the connection can carry the next call."""
+        scratch = memoryview(bytearray(min(self.remaining, _DRAIN_CHUNK)))
+        while self.remaining:
+            take = min(self.remaining, len(scratch))
+            _recv_into(self._sock, scratch[:take], self._deadline)
+            self.remaining -= take
+
+
+#: A handler gets the request's header message and its payload, and returns a
+#: context manager giving ``(response message bytes, response arrays)``; the
+#: arrays are sent while the context is open (a PS keeps its read snapshot).
+Handler = Callable[[bytes, Payload], AbstractContextManager[tuple[bytes, Sequence[np.ndarray]]]]
+
+
+class BulkServer:
+    """Serves the data plane for one task: a listening socket and one thread per connection.
+
+    Args:
+        handlers: method number -> :data:`Handler`.
+        host/port: where to listen; port 0 picks a free one (:attr:`port` after start).
+        token: the cluster token clients must present (None: no check; loopback only).
+        observe: optional ``observe(method_name, seconds, failed)`` per call (metrics).
+
+    ``start``/``stop`` or a context manager. ``stop`` closes the listener and
+    every connection and joins the threads.
+    """
+
+    def __init__(
+        self,
+        handlers: dict[int, Handler],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        observe: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self._handlers = dict(handlers)
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self._token = token.encode() if token else None
+        self._max_connections = max_connections
+        self._observe = observe
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._busy: set[socket.socket] = set()  # connections inside a call
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host.strip("[]") else socket.AF_INET
+        ls = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            ls.bind((self.host.strip("[]"), self.requested_port))
+            ls.listen(128)
+        except OSError as e:
+            ls.close()
+            raise E.ConfigurationError(f"data plane: could not bind {self.host}:{self.requested_port} ({e})") from None
+        self._listener = ls
+        self.port = ls.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="jaxdist-bulk-accept", daemon=True)
+        self._accept_thread.start()
+        return self.port
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, then close everything."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        deadline = time.monotonic() + (grace or 0.0)
+        while True:
+            with self._lock:
+                idle = [c for c in self._conns if c not in self._busy]
+                busy = len(self._busy)
+            for c in idle:  # a thread blocked waiting for the next request wakes up and exits
+                _shutdown(c)
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for c in conns:
+            _shutdown(c)
+        end = time.monotonic() + 5.0
+        if self._accept_thread is not None:
+            self._accept_thread.join(max(0.0, end - time.monotonic()))
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    def __enter__(self) -> BulkServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.01)  # e.g. EMFILE: do not spin
+                continue
+            with self._lock:
+                if len(self._conns) >= self._max_connections:
+                    busy = True
+                else:
+                    busy = False
+                    self._conns.add(conn)
+            if busy:
+                self._refuse(conn, E.PayloadTooLargeError(f"data plane: more than {self._max_connections} connections"))
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), name="jaxdist-bulk-conn", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, exc: E.JaxdistError) -> None:
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(_error_response(exc))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _hello(self, conn: socket.socket) -> bool:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        magic, token_len = _HELLO.unpack(_recv_exact(conn, _HELLO.size))
+        if magic != HELLO_MAGIC or token_len > MAX_TOKEN_BYTES:
+            conn.sendall(_error_response(E.InvalidRequestError("data plane: not a jaxdist bulk client (bad hello)")))
+            return False
+        token = _recv_exact(conn, token_len)
+        if self._token is not None and not hmac.compare_digest(token, self._token):
+            conn.sendall(_error_response(E.AuthenticationError(
+                "data plane: missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token")))
+            return False
+        conn.sendall(_response_envelope(grpc.StatusCode.OK, b"", b"", 0))
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            _tune(conn)
+            if not self._hello(conn):
+                return
+            while not self._stopped.is_set():
+                conn.settimeout(None)  # idle between calls; keepalive finds dead peers
+                try:
+                    head = _recv_exact(conn, _REQUEST.size)
+                except ConnectionError:
+                    return  # the client closed its connection
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    self._busy.add(conn)
+                try:
+                    if not self._call(conn, head):
+                        return
+                finally:
+                    with self._lock:
+                        self._busy.discard(conn)
+        except (OSError, struct.error):
+            return  # peer vanished, timed out, or sent garbage before hello: only this connection ends
+        except Exception:  # noqa: BLE001 - a connection's failure must never take the server down
+            logger.exception("data plane connection failed")
+        finally:
+            conn.close()
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+
+    def _call(self, conn: socket.socket, head: bytes) -> bool:
+        """Serve one request; False when the connection must end."""
+        magic, method, header_len, payload_len = _REQUEST.unpack(head)
+        handler = self._handlers.get(method)
+        if magic != REQUEST_MAGIC or handler is None or header_len > MAX_HEADER_BYTES:
+            what = "bad request magic" if magic != REQUEST_MAGIC else (
+                f"unknown method {method}" if handler is None else f"header of {header_len} bytes is too large")
+            conn.sendall(_error_response(E.InvalidRequestError(f"data plane: {what}")))
+            return False
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + _REQUEST_BASE_S + (header_len + payload_len) / _REQUEST_MIN_RATE
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        header = _recv_exact(conn, header_len)
+        payload = Payload(conn, payload_len, deadline)
+        name = METHOD_NAMES.get(method, str(method))
+        failed = True
+        try:
+            with handler(header, payload) as (body, arrays):
+                if payload.remaining:
+                    raise E.InvalidRequestError(f"{name}: request carries {payload.remaining} payload bytes it does not use")
+                views = _byte_views(arrays)
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sendall(_response_envelope(grpc.StatusCode.OK, b"", body, sum(len(v) for v in views)))
+                for v in views:
+                    conn.sendall(v)
+                failed = False
+        except (OSError, struct.error):
+            raise
+        except E.JaxdistError as e:
+            return self._fail(conn, payload, e)
+        except DecodeError as e:
+            return self._fail(conn, payload, E.InvalidRequestError(f"{name}: request is not a valid message ({e})"))
+        except Exception as e:  # noqa: BLE001 - one bad call must not take the server down
+            logger.exception("data plane %s failed", name)
+            return self._fail(conn, payload, E.RemoteError(f"{name}: {type(e).__name__}: {e}", code=grpc.StatusCode.INTERNAL))
+        finally:
+            if self._observe is not None:
+                self._observe(name, time.perf_counter() - t0, failed)
+        return True
+
+    @staticmethod
+    def _fail(conn: socket.socket, payload: Payload, exc: Exception) -> bool:
+        # Handler errors are raised before the response starts (the sending
+        # code above has nothing that raises these), so an error envelope is
+        # still well-framed once the unread payload is drained.
+        payload.drain()
+        if isinstance(exc, E.JaxdistError):
+            conn.sendall(_error_response(exc))
+        return True
+
+
+# ---------------------------------------------------------------------- client
+def _alive(sock: socket.socket) -> bool:
+    """An idle connection is usable: nothing to read (EOF or stray bytes mean it is not)."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
+class BulkClient:
+    """Connections to one task's data plane; thread-safe, one call per connection at a time.
+
+    Idle connections are pooled and checked before reuse. A call that fails
+    for a connection-level reason raises :class:`BulkError` with UNAVAILABLE
+    (or DEADLINE_EXCEEDED); the connection is dropped. Nothing is retried
+    here: callers decide (Pull is idempotent; Push is deduped by ``update_id``).
+    """
+
+    def __init__(self, host: str, port: int, token: str | None = None, connect_timeout: float = 3.0, max_idle: int = 8) -> None:
+        self.host = host
+        self.port = port
+        self._token = token.encode() if token else b""
+        self._connect_timeout = connect_timeout
+        self._max_idle = max_idle
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for s in idle:
+            s.close()
+
+    def _connect(self, deadline: float) -> socket.socket:
+        timeout = max(0.001, min(self._connect_timeout, deadline - time.monotonic()))
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=timeout)
+        except OSError as e:
+            raise BulkError(grpc.StatusCode.UNAVAILABLE, f"data plane {self.host}:{self.port} unreachable: {e}",
+                            connected=False) from None
+        try:
+            _tune(sock)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(_HELLO.pack(HELLO_MAGIC, len(self._token)) + self._token)
+            self._read_response(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _checkout(self, deadline: float) -> socket.socket:
+        while True:
+            with self._lock:
+                if self._closed:
+                    raise BulkError(grpc.StatusCode.CANCELLED, "data plane client is closed", connected=False)
+                sock = self._idle.pop() if self._idle else None
+            if sock is None:
+                return self._connect(deadline)
+            if _alive(sock):
+                return sock
+            sock.close()
+
+    def _checkin(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+    @staticmethod
+    def _read_response(sock: socket.socket, deadline: float) -> tuple[bytes, int]:
+        magic, code, reason_len, body_len, payload_len = _RESPONSE.unpack(_recv_exact_by(sock, _RESPONSE.size, deadline))
+        if magic != RESPONSE_MAGIC or reason_len > MAX_TOKEN_BYTES or body_len > MAX_HEADER_BYTES:
+            raise ConnectionError("data plane: malformed response")
+        reason = _recv_exact_by(sock, reason_len, deadline).decode(errors="replace")
+        body = _recv_exact_by(sock, body_len, deadline)
+        status = _status_code(code)
+        if status != grpc.StatusCode.OK:
+            raise BulkError(status, body.decode(errors="replace"), reason)
+        return body, payload_len
+
+    def call(
+        self,
+        method: int,
+        header: bytes,
+        arrays: Sequence[np.ndarray],
+        timeout: float,
+        receive: Callable[[bytes], Sequence[np.ndarray]] | None = None,
+    ) -> tuple[bytes, Sequence[np.ndarray]]:
+        """One call: send ``header`` and the arrays' bytes; return the response message and arrays.
+
+        ``receive(response message)`` returns the arrays the response payload
+        is read into (their sizes must add up to it); without it the response
+        must carry no payload.
+
+        Raises:
+            BulkError: the server's error status (connection kept), or
+                UNAVAILABLE / DEADLINE_EXCEEDED for a lost or slow connection.
+        """
+        deadline = time.monotonic() + timeout
+        sock = self._checkout(deadline)
+        keep = False
+        try:
+            views = _byte_views(arrays)
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            sock.sendall(_REQUEST.pack(REQUEST_MAGIC, method, len(header), sum(len(v) for v in views)) + header)
+            for v in views:
+                sock.sendall(v)
+            try:
+                body, payload_len = self._read_response(sock, deadline)
+            except BulkError:
+                keep = True  # a well-framed error response: the connection stays in step
+                raise
+            out: Sequence[np.ndarray] = ()
+            if payload_len or receive is not None:
+                out = receive(body) if receive is not None else ()
+                if sum(a.nbytes for a in out) != payload_len:
+                    raise ConnectionError(f"data plane: response payload of {payload_len} bytes does not match its header")
+                for view in _byte_views(out):
+                    _recv_into(sock, view, deadline)
+            keep = True
+            return body, out
+        except socket.timeout:
+            raise BulkError(grpc.StatusCode.DEADLINE_EXCEEDED, f"data plane call to {self.host}:{self.port} timed out "
+                            f"after {timeout:.1f}s") from None
+        except (OSError, struct.error) as e:
+            raise BulkError(grpc.StatusCode.UNAVAILABLE, f"data plane connection to {self.host}:{self.port} lost: {e}") from None
+        finally:
+            if keep:
+                self._checkin(sock)
+            else:
+                sock.close()
+
+
+def _recv_exact_by(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf), deadline)
+    return bytes(buf)
