@@ -71,6 +71,80 @@ _RAW_SERVER = textwrap.dedent(
 )
 
 
+_RAW_TCP_SERVER = textwrap.dedent(
+    """
+    import socket, sys
+    N, BUF = 64 << 20, 4 << 20
+    ls = socket.socket()
+    for o in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        ls.setsockopt(socket.SOL_SOCKET, o, BUF)
+    ls.bind(("127.0.0.1", 0)); ls.listen()
+    print(ls.getsockname()[1], flush=True)
+    c, _ = ls.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload, mv = b"\\0" * N, memoryview(bytearray(N))
+    while True:
+        cmd = c.recv(1)
+        if not cmd:
+            break
+        if cmd == b"d":
+            c.sendall(payload)
+        else:
+            got = 0
+            while got < N:
+                got += c.recv_into(mv[got:], N - got)
+            c.sendall(b"k")
+    """
+)
+
+
+def bench_raw_tcp(repeats: int) -> dict[str, float]:
+    """The transport under jaxdist's data plane, bare: 64 MB over one loopback TCP connection between
+    two Python processes (``sendall`` from a buffer, ``recv_into`` a preallocated one, 4 MB socket
+    buffers), 3 transfers per run."""
+    import socket
+
+    proc = subprocess.Popen([sys.executable, "-c", _RAW_TCP_SERVER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline())  # type: ignore[union-attr]
+        n = 64 * MB
+        s = socket.socket()
+        for o in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            s.setsockopt(socket.SOL_SOCKET, o, 4 * MB)
+        s.settimeout(60)
+        s.connect(("127.0.0.1", port))
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload, mv = b"\0" * n, memoryview(bytearray(n))
+
+        def down() -> float:
+            t = time.perf_counter()
+            for _ in range(3):
+                s.sendall(b"d")
+                got = 0
+                while got < n:
+                    got += s.recv_into(mv[got:], n - got)
+            return 3 * 64 / (time.perf_counter() - t)
+
+        def up() -> float:
+            t = time.perf_counter()
+            for _ in range(3):
+                s.sendall(b"u")
+                s.sendall(payload)
+                s.recv(1)
+            return 3 * 64 / (time.perf_counter() - t)
+
+        out = {}
+        for name, fn in [("raw_tcp_stream_down_MBps", down), ("raw_tcp_stream_up_MBps", up)]:
+            fn()  # warm
+            med, vals = median_of(fn, repeats)
+            out[name] = med
+            emit(workload=name, median=round(med, 1), runs=[round(v, 1) for v in vals])
+        s.close()
+        return out
+    finally:
+        proc.wait(10)
+
+
 def bench_raw_grpc(repeats: int) -> dict[str, float]:
     import grpc
 

@@ -51,6 +51,8 @@ TARGETS: dict[str, tuple[float, str, float | None]] = {
     "mlp_steps_per_s": (1.5, "plain_jax_mlp_steps_per_s", 0.60),
 }
 IN_CLOSURE_WORKLOADS = ("pull_64MB_MBps", "push_64MB_MBps")
+#: workload -> the bare transport under jaxdist's data plane (no target: shows how close it gets).
+TRANSPORT_REFERENCES = {"pull_64MB_MBps": "raw_tcp_stream_down_MBps", "push_64MB_MBps": "raw_tcp_stream_up_MBps"}
 
 
 # ------------------------------------------------------------------ pure logic
@@ -119,6 +121,12 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "jaxdist_rounds": [round(v, 2) for v in jd_vals],
             "reference_rounds": [round(v, 2) for v in ref_vals],
         })
+        transport = TRANSPORT_REFERENCES.get(workload)
+        if transport is not None:
+            t_vals = _values(records, "reference", transport)
+            rows[-1].update(transport_reference=transport, transport_reference_median=_r(_med(t_vals), 2),
+                            ratio_jaxdist_to_transport=_r(_ratio(jd_med, _med(t_vals))),
+                            transport_reference_rounds=[round(v, 2) for v in t_vals])
     return rows
 
 
@@ -145,7 +153,12 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             {True: "yes", False: "NO", None: "?"}[r["met"]],
         ])
     widths = [max(len(str(row[i])) for row in lines) for i in range(len(head))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
+    text = "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
+    for r in rows:
+        if r.get("transport_reference_median") is not None:
+            text += (f"\n{r['workload']}: {f(r['ratio_jaxdist_to_transport'], 2)}x {r['transport_reference']} "
+                     f"({f(r['transport_reference_median'])}, one bare TCP stream; no target)")
+    return text
 
 
 # ------------------------------------------------------------------ running
