@@ -84,7 +84,7 @@ MAX_TOKEN_BYTES = 4096
 #: Largest header message; bigger means garbage or abuse (the gRPC limit for messages is the same).
 MAX_HEADER_BYTES = 64 << 20
 #: Connections one server accepts at once; more are refused with RESOURCE_EXHAUSTED.
-DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_MAX_CONNECTIONS = 1024
 #: A client that connected must say hello within this time.
 HELLO_TIMEOUT_S = 10.0
 #: Server side bound on one started request: base + bytes at a slow rate.
@@ -448,10 +448,11 @@ class BulkServer:
 def _alive(sock: socket.socket) -> bool:
     """An idle connection is usable: nothing to read (EOF or stray bytes mean it is not)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
+        poller = select.poll()  # not select(): it fails for descriptors above 1024
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return not poller.poll(0)
     except (OSError, ValueError):
         return False
-    return not readable
 
 
 class BulkClient:
@@ -506,9 +507,16 @@ class BulkClient:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             sock.sendall(_HELLO.pack(HELLO_MAGIC, len(self._token)) + self._token)
             self._read_response(sock, deadline)
-        except BaseException:
+        except BulkError as e:
             sock.close()
-            raise
+            if e.code == grpc.StatusCode.UNAUTHENTICATED:
+                raise
+            # Refused before any call (e.g. the server's connection limit): nothing was sent.
+            raise BulkError(e.code, e.details, e.reason, connected=False) from None
+        except (OSError, struct.error) as e:
+            sock.close()
+            raise BulkError(grpc.StatusCode.UNAVAILABLE, f"data plane {self.host}:{self.port}: handshake failed: {e}",
+                            connected=False) from None
         return sock
 
     def _checkout(self, deadline: float) -> socket.socket:
@@ -576,7 +584,10 @@ class BulkClient:
                 raise
             out: Sequence[np.ndarray] = ()
             if payload_len or receive is not None:
-                out = receive(body) if receive is not None else ()
+                try:
+                    out = receive(body) if receive is not None else ()
+                except DecodeError as e:
+                    raise BulkError(grpc.StatusCode.INTERNAL, f"data plane: malformed response message ({e})") from None
                 if sum(a.nbytes for a in out) != payload_len:
                     raise ConnectionError(f"data plane: response payload of {payload_len} bytes does not match its header")
                 for view in _byte_views(out):

@@ -373,6 +373,12 @@ def test_connection_limit_and_stop() -> None:
         assert _hello(first) == (0, "")
         with socket.create_connection(("127.0.0.1", s.port), timeout=5) as second:
             assert _read_status(second)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        # A client refused at connect learns that nothing was sent (PSClient then uses gRPC).
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        with pytest.raises(bulk.BulkError) as e:
+            c.call(bulk.PULL, b"", (), timeout=5)
+        assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not e.value.connected
+        c.close()
         first.sendall(_request(bulk.PULL, b""))
         assert _read_status(first) == (0, "")
         s.stop(grace=1.0)

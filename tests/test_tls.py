@@ -67,6 +67,8 @@ def test_valid_client_certificate_is_accepted(tls_ps: ParameterServer, pki: tupl
             c.create([CreateSpec("v", value=np.ones(3, np.float32), if_exists="keep")])
             (value, _version), = c.pull([PullSpec("v")])
             assert value is not None and value.tolist() == [1.0, 1.0, 1.0]
+            # The plaintext data plane is off under TLS: tensors went over gRPC+TLS.
+            assert tls_ps.data_port is None and c.uses_data_plane is False
 
 
 @pytest.mark.parametrize("kind", ["plaintext", "tls_without_client_cert", "cert_from_another_ca"])
