@@ -64,3 +64,16 @@ def test_bad_specs() -> None:
         codec.tensor_from_proto(common_pb2.Tensor(spec=common_pb2.TensorSpec(dtype=common_pb2.INT32, shape=[2]), data=b"abc"))
     with pytest.raises(InvalidRequestError):
         codec.canonical_dtype(np.complex64)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (0,), (), (5, 0, 2), (1001,)])
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.bool_, np.int64])
+def test_empty_aligned_and_destination_arrays_are_aligned(shape: tuple[int, ...], dtype: object) -> None:
+    a = codec.empty_aligned(shape, dtype)
+    assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous and a.flags.writeable
+    (b,) = codec.destination_arrays([(shape, np.dtype(dtype))])
+    if a.size:  # an empty array has no data to align
+        assert a.ctypes.data % codec.ALIGNMENT == 0 and b.ctypes.data % codec.ALIGNMENT == 0
+    # A caller's array that fits is used as it is, aligned or not.
+    mine = np.empty(shape, dtype)
+    assert codec.destination_arrays([(shape, np.dtype(dtype))], [mine])[0] is mine
