@@ -337,10 +337,7 @@ def pull(tree: Any) -> Any:
     """Read every variable in ``tree`` (any pytree); returns the same tree of numpy arrays.
 
     Non-variable leaves pass through. All PS tasks are read in parallel, one
-    call per task. The arrays are new on every call and 64-byte aligned, so
-    JAX on CPU uses them without copying (``jax.device_put``, a jitted call):
-    as with any such numpy array, do not modify one while a JAX computation
-    that reads it may still be running (dispatch is asynchronous).
+    call per task.
     """
     leaves, treedef = _leaves(tree)
     flat: list[Any] = []
@@ -350,7 +347,7 @@ def pull(tree: Any) -> Any:
         if hasattr(leaf, "_jaxdist_shards"):
             # Shards are dim-0 row ranges: each is received straight into its rows
             # of one preallocated array, so no concatenation copy follows.
-            full = codec.empty_aligned(leaf.shape, leaf.dtype)  # aligned: XLA adopts it without a copy
+            full = np.empty(leaf.shape, leaf.dtype)
             fulls.append(full)
             flat.extend(leaf.variables)
             outs.extend(full[a:b] for a, b in zip(leaf._offsets[:-1], leaf._offsets[1:]))

@@ -177,9 +177,11 @@ def byte_view(arr: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
 
 
-#: Alignment of arrays jaxdist allocates to receive tensors. XLA's CPU client adopts a
+#: Alignment of the arrays a PS receives gradients into. XLA's CPU client adopts a
 #: 64-byte-aligned numpy buffer without copying it (``jax.device_put`` or a jitted call),
 #: while malloc only guarantees 16: measured, 8 MB went into XLA in 0.05 ms instead of 1.8 ms.
+#: Pulled values are not aligned: in the 2-worker pull benchmark, receiving into aligned
+#: arrays was ~15% slower (4 A/B runs; cause not found), more than the MLP gained.
 ALIGNMENT = 64
 
 
@@ -194,13 +196,15 @@ def empty_aligned(shape: Sequence[int] | int, dtype: object) -> np.ndarray:
 
 
 def destination_arrays(
-    specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None
+    specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None, aligned: bool = False
 ) -> list[np.ndarray]:
     """One array per spec to receive into: ``out[i]`` when it is writable, C-contiguous and
-    matches spec ``i`` (e.g. a shard's rows of a preallocated full variable), else a new one."""
+    matches spec ``i`` (e.g. a shard's rows of a preallocated full variable), else a new one,
+    :func:`empty_aligned` with ``aligned`` (a PS's gradients go into a jitted optimizer step)."""
     outs = list(out) if out is not None else []
     outs += [None] * (len(specs) - len(outs))
-    return [o if o is not None and _fits(o, shape, dtype) else empty_aligned(shape, dtype) for (shape, dtype), o in zip(specs, outs)]
+    new = empty_aligned if aligned else np.empty
+    return [o if o is not None and _fits(o, shape, dtype) else new(shape, dtype) for (shape, dtype), o in zip(specs, outs)]
 
 
 class FrameReader:
@@ -210,12 +214,15 @@ class FrameReader:
     """
 
     def __init__(
-        self, specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None
+        self,
+        specs: Sequence[tuple[tuple[int, ...], np.dtype]],
+        out: Sequence[np.ndarray | None] | None = None,
+        aligned: bool = False,
     ) -> None:
         """``out`` optionally gives, per spec, a writable C-contiguous array to fill in place
         (e.g. a shard's rows of a preallocated full variable); one that does not
         match its spec's shape and dtype is ignored and a new array is allocated."""
-        self.arrays = destination_arrays(specs, out)
+        self.arrays = destination_arrays(specs, out, aligned)
         self._views = [memoryview(byte_view(a)) if a.nbytes else None for a in self.arrays]
         self._idx = 0
         self._pos = 0

@@ -160,7 +160,7 @@ class ParameterServerServicer:
         except StopIteration:
             raise InvalidRequestError("empty Push stream: the first frame must be a PushHeader") from None
         header, specs = self._push_specs(first)
-        reader = codec.FrameReader(specs)
+        reader = codec.FrameReader(specs, aligned=True)
         for frame in frames:
             reader.feed(frame)
         return self._push_apply(header, reader.finish())
@@ -178,7 +178,7 @@ class ParameterServerServicer:
     @contextmanager
     def _bulk_push(self, header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list[np.ndarray]]]:
         msg, specs = self._push_specs(header)
-        received = codec.destination_arrays(specs)
+        received = codec.destination_arrays(specs, aligned=True)
         payload.read_into(received)
         yield self._push_apply(msg, received).SerializeToString(), []
 

@@ -71,7 +71,7 @@ def test_bad_specs() -> None:
 def test_empty_aligned_and_destination_arrays_are_aligned(shape: tuple[int, ...], dtype: object) -> None:
     a = codec.empty_aligned(shape, dtype)
     assert a.shape == shape and a.dtype == np.dtype(dtype) and a.flags.c_contiguous and a.flags.writeable
-    (b,) = codec.destination_arrays([(shape, np.dtype(dtype))])
+    (b,) = codec.destination_arrays([(shape, np.dtype(dtype))], aligned=True)
     if a.size:  # an empty array has no data to align
         assert a.ctypes.data % codec.ALIGNMENT == 0 and b.ctypes.data % codec.ALIGNMENT == 0
     # A caller's array that fits is used as it is, aligned or not.
