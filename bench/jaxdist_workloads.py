@@ -145,21 +145,25 @@ def _mlp_dataset_fn(ctx: Any) -> Any:
         yield x, y
 
 
-def _make_train_step(params: Any, transfer_dtype: Any) -> Any:
+def _make_train_step(params: Any, transfer_dtype: Any, pull_dtype: Any = None) -> Any:
     import jax
+    import jax.numpy as jnp
 
     import jaxdist
 
-    if transfer_dtype is None:
-        grad_fn = jax.jit(jax.grad(mlp_loss))
-    else:
-        # The cast runs inside the jitted gradient function (fused, no extra pass), and
-        # apply_gradients sends bf16 gradients as they are: the cheapest way (see its docstring).
-        grad_fn = jax.jit(lambda p, x, y: jax.tree.map(lambda g: g.astype(transfer_dtype), jax.grad(mlp_loss)(p, x, y)))
+    def grads(p: Any, x: Any, y: Any) -> Any:
+        if pull_dtype is not None:  # mixed precision: bf16 values on the wire, the model computes in float32
+            p = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+        g = jax.grad(mlp_loss)(p, x, y)
+        # A bf16 gradient cast runs here, fused into the jitted function, and apply_gradients
+        # sends bf16 gradients as they are: the cheapest way (see its docstring).
+        return g if transfer_dtype is None else jax.tree.map(lambda a: a.astype(transfer_dtype), g)
+
+    grad_fn = jax.jit(grads)
 
     def train_step(it: Any) -> None:
         x, y = next(it)
-        jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params), x, y))
+        jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params, dtype=pull_dtype), x, y))
 
     return train_step
 
@@ -237,7 +241,7 @@ class JaxdistBench:
         return list(rv.fetch())
 
     # -- (c) MLP
-    def mlp_setup(self, grad_dtype: str = "float32") -> None:
+    def mlp_setup(self, grad_dtype: str = "float32", pull_dtype: str = "float32") -> None:
         import optax
 
         import jaxdist
@@ -245,7 +249,7 @@ class JaxdistBench:
         transfer_dtype = _transfer_dtype(grad_dtype)
         with self.strategy.scope():
             params = jaxdist.create_variables(mlp_init(), name=self._name("mlp"), optimizer=optax.sgd(0.01))
-        self._train_step = _make_train_step(params, transfer_dtype)
+        self._train_step = _make_train_step(params, transfer_dtype, _transfer_dtype(pull_dtype))
         self._it = iter(self.coord.create_per_worker_dataset(_mlp_dataset_fn))
         for _ in range(2 * self.workers):  # warm: jit on every worker
             self.coord.schedule(self._train_step, args=(self._it,))
@@ -265,7 +269,7 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
 
 
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
-                grad_dtype: str) -> None:
+                grad_dtype: str, pull_dtype: str = "float32") -> None:
     common = {"system": "jaxdist", "workers": workers, "ps": ps}
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
@@ -282,8 +286,9 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
                     emit(**common, workload=f"{kind}_64MB_MBps", shards=b.shards,
                          **_runs(lambda kind=kind: b.transfer_rate(kind, var, 64), repeats))
         if "mlp" in workloads:
-            b.mlp_setup(grad_dtype)
-            emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype,
+            b.mlp_setup(grad_dtype, pull_dtype)
+            extra = {} if pull_dtype == "float32" else {"pull_dtype": pull_dtype}
+            emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype, **extra,
                  **_runs(lambda: b.mlp_rate(mlp_steps), repeats, 2))
 
 
@@ -326,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noop-closures", type=int, default=5000, help="closures per no-op run")
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype the MLP's gradients travel in (bfloat16 needs apply_gradients(transfer_dtype=))")
+    ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype the MLP's parameters are pulled in (bfloat16: mixed precision, jaxdist.pull(dtype=))")
     args = ap.parse_args(argv)
 
     import jax
@@ -339,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         jd = [w for w in workloads if w in JAXDIST_WORKLOADS]
         if jd:
-            run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype)
+            run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
+                        args.pull_dtype)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

@@ -305,11 +305,19 @@ def _connections_of(variables: Sequence[Variable]) -> PSConnections:
     return found if found is not None else current_connections()
 
 
-def pull_arrays(variables: Sequence[Variable], out: Sequence[np.ndarray | None] | None = None) -> list[np.ndarray]:
+def _pull_dtype(var_dtype: np.dtype, dtype: np.dtype | None) -> np.dtype | None:
+    """The dtype to ask the PS for: ``dtype`` when it is a narrower float than the variable, else None (as stored)."""
+    return dtype if dtype is not None and codec.is_narrower_float(dtype, np.dtype(var_dtype)) else None
+
+
+def pull_arrays(
+    variables: Sequence[Variable], out: Sequence[np.ndarray | None] | None = None, dtype: np.dtype | None = None
+) -> list[np.ndarray]:
     """Pull several variables: one RPC per PS task, all PS tasks in parallel.
 
     ``out`` optionally gives, per variable, a preallocated array (e.g. a
     shard's rows of the full value) that receives the bytes in place.
+    ``dtype`` (bfloat16/float16): wider float variables come rounded to it.
     """
     by_ps: dict[int, list[int]] = defaultdict(list)
     for i, v in enumerate(variables):
@@ -318,7 +326,7 @@ def pull_arrays(variables: Sequence[Variable], out: Sequence[np.ndarray | None] 
     calls = {
         ps: (
             lambda c, idxs=idxs: c.pull(
-                [PullSpec(variables[i].name) for i in idxs],
+                [PullSpec(variables[i].name, as_dtype=_pull_dtype(variables[i].dtype, dtype)) for i in idxs],
                 timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
                 out=None if out is None else [out[i] for i in idxs],
             )
@@ -333,12 +341,23 @@ def pull_arrays(variables: Sequence[Variable], out: Sequence[np.ndarray | None] 
     return out
 
 
-def pull(tree: Any) -> Any:
+def pull(tree: Any, dtype: Any = None) -> Any:
     """Read every variable in ``tree`` (any pytree); returns the same tree of numpy arrays.
 
     Non-variable leaves pass through. All PS tasks are read in parallel, one
     call per task.
+
+    ``dtype`` (``jnp.bfloat16`` or ``float16``) is mixed precision: float
+    variables wider than it arrive rounded to it, half the bytes for float32,
+    while the PS keeps and updates them in their own dtype (pair it with
+    ``apply_gradients``, whose gradients are applied in the variable's dtype).
+    Each version is rounded once on the PS, for all workers. Other variables
+    arrive as stored. Cast the values back up inside your jitted function if
+    the model should compute in float32.
     """
+    td = None if dtype is None else np.dtype(dtype)
+    if td is not None and td not in codec.NARROW_FLOATS:
+        raise ValueError(f"pull dtype must be bfloat16 or float16, got {td}")
     leaves, treedef = _leaves(tree)
     flat: list[Any] = []
     outs: list[np.ndarray | None] = []
@@ -347,7 +366,7 @@ def pull(tree: Any) -> Any:
         if hasattr(leaf, "_jaxdist_shards"):
             # Shards are dim-0 row ranges: each is received straight into its rows
             # of one preallocated array, so no concatenation copy follows.
-            full = np.empty(leaf.shape, leaf.dtype)
+            full = np.empty(leaf.shape, _pull_dtype(leaf.dtype, td) or leaf.dtype)
             fulls.append(full)
             flat.extend(leaf.variables)
             outs.extend(full[a:b] for a, b in zip(leaf._offsets[:-1], leaf._offsets[1:]))
@@ -356,7 +375,7 @@ def pull(tree: Any) -> Any:
             flat.append(leaf)
             outs.append(None)
     is_var = [isinstance(v, Variable) for v in flat]
-    values = iter(pull_arrays([v for v, b in zip(flat, is_var) if b], [o for o, b in zip(outs, is_var) if b]))
+    values = iter(pull_arrays([v for v, b in zip(flat, is_var) if b], [o for o, b in zip(outs, is_var) if b], td))
     pulled = [next(values) if b else v for v, b in zip(flat, is_var)]
     return jax.tree.unflatten(treedef, _collapse(leaves, pulled, fulls))
 

@@ -60,16 +60,18 @@ class RawFrame(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class PullEntry(_message.Message):
-    __slots__ = ("name", "known_version", "indices", "has_indices")
+    __slots__ = ("name", "known_version", "indices", "has_indices", "as_dtype")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     INDICES_FIELD_NUMBER: _ClassVar[int]
     HAS_INDICES_FIELD_NUMBER: _ClassVar[int]
+    AS_DTYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     known_version: int
     indices: _common_pb2.Tensor
     has_indices: bool
-    def __init__(self, name: _Optional[str] = ..., known_version: _Optional[int] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_indices: _Optional[bool] = ...) -> None: ...
+    as_dtype: _common_pb2.DType
+    def __init__(self, name: _Optional[str] = ..., known_version: _Optional[int] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_indices: _Optional[bool] = ..., as_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
     __slots__ = ("entries",)

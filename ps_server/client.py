@@ -85,6 +85,8 @@ class PullSpec:
     name: str
     known_version: int = -1
     indices: np.ndarray | None = None
+    #: bfloat16/float16 to read a wider float variable rounded to it (mixed precision); None: as stored.
+    as_dtype: Any = None
 
 
 @dataclass
@@ -245,6 +247,8 @@ class PSClient:
         req = ps_pb2.PullRequest()
         for s in specs:
             e = req.entries.add(name=s.name, known_version=s.known_version if s.known_version >= 0 else 0)
+            if s.as_dtype is not None:
+                e.as_dtype = codec.dtype_to_proto(s.as_dtype)
             if s.indices is not None:
                 codec.tensor_to_proto(np.asarray(s.indices, dtype=np.int64), e.indices)
                 e.has_indices = True

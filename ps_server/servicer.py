@@ -100,7 +100,9 @@ class ParameterServerServicer:
         indices = [codec.tensor_from_proto(e.indices, max_idx) if e.has_indices else None for e in entries]
         with ExitStack() as stack:
             results = [
-                stack.enter_context(self.store.reading(e.name, idx, e.known_version if e.known_version else -1))
+                stack.enter_context(self.store.reading(
+                    e.name, idx, e.known_version if e.known_version else -1,
+                    codec.dtype_from_proto(e.as_dtype) if e.as_dtype else None))
                 for e, idx in zip(entries, indices)
             ]
             header = ps_pb2.PullHeader()

@@ -102,6 +102,20 @@ class VariableInfo:
     has_optimizer: bool
 
 
+@jax.jit
+def _cast_bf16(x: Any) -> Any:
+    return x.astype(jax.numpy.bfloat16)
+
+
+@jax.jit
+def _cast_f16(x: Any) -> Any:
+    return x.astype(jax.numpy.float16)
+
+
+def _cast(x: Any, dtype: np.dtype) -> Any:
+    return _cast_bf16(x) if dtype == np.dtype(jax.numpy.bfloat16) else _cast_f16(x)
+
+
 @dataclass
 class _Variable:
     name: str
@@ -117,6 +131,21 @@ class _Variable:
     #: next step starts from it without copying the value into XLA again. None
     #: after any other write.
     device_value: Any = None
+    #: ``(version, dtype, array)``: the value cast to a narrower float for narrow pulls
+    #: (mixed precision), made once per version and shared by every worker pulling it.
+    narrow: tuple[int, np.dtype, np.ndarray] | None = None
+
+    def narrow_value(self, dtype: np.dtype) -> np.ndarray:
+        """The value in ``dtype`` (call with the lock held); a new array per version, never written."""
+        cached = self.narrow
+        if cached is not None and cached[0] == self.version and cached[1] == dtype:
+            return cached[2]
+        if self.device_value is not None:  # after an optimizer step: one XLA pass, no copy in
+            arr = np.asarray(_cast(self.device_value, dtype))
+        else:
+            arr = self.value.astype(dtype)
+        self.narrow = (self.version, dtype, arr)
+        return arr
 
     def writable_value(self) -> np.ndarray:
         """The value, made safe to modify in place (copied if shared or read-only)."""
@@ -277,22 +306,39 @@ class VariableStore:
         return self._get(name).optimizer
 
     @contextmanager
-    def reading(self, name: str, indices: np.ndarray | None = None, known_version: int = -1) -> Iterator[ReadResult]:
+    def reading(
+        self, name: str, indices: np.ndarray | None = None, known_version: int = -1, as_dtype: np.dtype | None = None
+    ) -> Iterator[ReadResult]:
         """Context manager giving a snapshot of ``name`` (rows ``indices`` if given).
 
         While the context is open, in-place updates copy instead of writing
         into the returned array, so it may be streamed without holding a lock.
+        ``as_dtype`` (bfloat16/float16, for a wider float variable) reads the
+        value rounded to that dtype (mixed precision: the variable and its
+        optimizer stay in their own dtype).
+
+        Raises:
+            InvalidRequestError: ``as_dtype`` is not a narrower float than the variable.
         """
         var = self._get(name)
+        narrow = as_dtype is not None and np.dtype(as_dtype) != var.dtype
+        if narrow and not codec.is_narrower_float(np.dtype(as_dtype), var.dtype):
+            raise InvalidRequestError(
+                f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
+                f"not as {np.dtype(as_dtype)}")
+        out_dtype = np.dtype(as_dtype) if narrow else var.dtype
         # Never yield while holding the lock: the caller streams for a while and may
         # open several reads at once (lock order would then be the caller's).
         with var.lock:
             version = var.version
             if known_version >= 0 and known_version == version and indices is None:
-                early: ReadResult | None = ReadResult(None, version, var.shape, var.dtype)
+                early: ReadResult | None = ReadResult(None, version, var.shape, out_dtype)
             elif indices is not None:
                 idx = self._check_indices(var, indices)
-                early = ReadResult(var.value[idx], version, (len(idx),) + var.shape[1:], var.dtype)  # a copy
+                rows = var.value[idx] if not narrow else var.value[idx].astype(out_dtype)  # a copy
+                early = ReadResult(rows, version, (len(idx),) + var.shape[1:], out_dtype)
+            elif narrow:
+                early = ReadResult(var.narrow_value(out_dtype), version, var.shape, out_dtype)  # never written
             else:
                 early = None
                 value = var.value

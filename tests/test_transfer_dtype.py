@@ -1,4 +1,5 @@
-"""Gradients pushed in bfloat16/float16 (half the bytes); the PS runs the optimizer in the variable's dtype."""
+"""Gradients pushed, and values pulled, in bfloat16/float16 (half the bytes); the PS keeps the
+variable and runs the optimizer in the variable's dtype (mixed precision)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,81 @@ def test_bf16_transfer_halves_pushed_bytes_and_trains_the_same_model() -> None:
         with pytest.raises(ValueError, match="transfer_dtype"):
             jaxdist.apply_gradients(half, grads, transfer_dtype=np.int8)
         strategy.close()
+
+
+@pytest.mark.timeout(60)
+def test_store_reads_a_narrow_copy_once_per_version() -> None:
+    store = VariableStore()
+    x = np.linspace(-3, 3, 12, dtype=np.float32).reshape(4, 3) + np.float32(1e-3)
+    store.create("w", value=x, optimizer=Optimizer(optax.sgd(0.5)))
+    store.create("i", value=np.arange(4, dtype=np.int32))
+    with store.reading("w", as_dtype=BF16) as r:
+        first = r.value
+        assert r.dtype == BF16 and first.dtype == BF16 and r.version == 1
+        np.testing.assert_array_equal(first, x.astype(BF16))
+    with store.reading("w", as_dtype=BF16) as r:
+        assert r.value is first  # cached for this version
+    with store.reading("w", as_dtype=np.float32) as r:  # its own dtype: as stored
+        assert r.value.dtype == np.float32
+    with store.reading("w", np.array([3, 0]), as_dtype=np.float16) as r:
+        np.testing.assert_array_equal(r.value, x[[3, 0]].astype(np.float16))
+    with store.reading("w", known_version=1, as_dtype=BF16) as r:
+        assert r.value is None and r.dtype == BF16
+    g = np.ones((4, 3), np.float32)
+    store.apply([Update("w", Op.APPLY_GRADIENT, g)])  # the next version is rounded from the optimizer's XLA output
+    with store.reading("w", as_dtype=BF16) as r:
+        assert r.version == 2 and r.value is not first
+        np.testing.assert_array_equal(r.value, (x - 0.5).astype(BF16))
+    with store.reading("w") as r:  # the variable itself stays float32, exact
+        np.testing.assert_array_equal(r.value, x - 0.5)
+    store.apply([Update("w", Op.ASSIGN_ADD, g)])  # and after an in-place write
+    with store.reading("w", as_dtype=BF16) as r:
+        np.testing.assert_array_equal(r.value, (x + 0.5).astype(BF16))
+    from jaxdist.errors import InvalidRequestError
+
+    for name, dt in [("i", BF16), ("w", np.int8), ("w", np.float64)]:
+        with pytest.raises(InvalidRequestError):
+            with store.reading(name, as_dtype=dt):
+                pass
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.multiprocess
+def test_mixed_precision_pull_halves_pulled_bytes() -> None:
+    with jaxdist.LocalCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2))
+        rng = np.random.default_rng(1)
+        init = {"w": rng.normal(size=(64, 32)).astype(np.float32), "step": np.arange(6, dtype=np.int32)}
+        with strategy.scope():
+            v = jaxdist.create_variables(init, name="mp", optimizer=optax.sgd(0.1))
+
+        def pulled() -> float:
+            return sum(c.status().counters["bytes_pulled"] for c in strategy._conns.clients)
+
+        before = pulled()
+        full = jaxdist.pull(v)
+        mid = pulled()
+        half = jaxdist.pull(v, dtype=jnp.bfloat16)
+        after = pulled()
+        assert after - mid == pytest.approx(64 * 32 * 2 + 6 * 4) and mid - before == pytest.approx(64 * 32 * 4 + 6 * 4)
+        assert half["w"].dtype == BF16 and half["step"].dtype == np.int32  # only wider floats are narrowed
+        np.testing.assert_array_equal(half["w"], full["w"].astype(BF16))
+        np.testing.assert_array_equal(half["step"], init["step"])
+        with pytest.raises(ValueError, match="bfloat16 or float16"):
+            jaxdist.pull(v, dtype=np.int8)
+        strategy.close()
+
+
+@pytest.mark.timeout(60)
+def test_narrow_pull_over_both_transports(ps_client: object) -> None:
+    from jaxdist.errors import InvalidRequestError
+    from jaxdist.ps_server.client import CreateSpec, PullSpec
+
+    x = np.random.default_rng(2).normal(size=(300, 700)).astype(np.float32)  # > one 4 MiB gRPC frame
+    ps_client.create([CreateSpec("x", value=x)])  # type: ignore[attr-defined]
+    ((got, ver),) = ps_client.pull([PullSpec("x", as_dtype=BF16)])  # type: ignore[attr-defined]
+    assert ver == 1 and got.dtype == BF16 and np.array_equal(got, x.astype(BF16))
+    ((rows, _),) = ps_client.pull([PullSpec("x", indices=np.array([7, 1]), as_dtype=np.float16)])  # type: ignore[attr-defined]
+    assert np.array_equal(rows, x[[7, 1]].astype(np.float16))
+    with pytest.raises(InvalidRequestError):
+        ps_client.pull([PullSpec("x", as_dtype=np.int8)])  # type: ignore[attr-defined]
