@@ -116,9 +116,9 @@ def _status_code(value: int) -> grpc.StatusCode:
 
 
 # ------------------------------------------------------------------ socket I/O
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     buf = bytearray(n)
-    _recv_into(sock, memoryview(buf))
+    _recv_into(sock, memoryview(buf), deadline)
     return bytes(buf)
 
 
@@ -540,11 +540,11 @@ class BulkClient:
 
     @staticmethod
     def _read_response(sock: socket.socket, deadline: float) -> tuple[bytes, int]:
-        magic, code, reason_len, body_len, payload_len = _RESPONSE.unpack(_recv_exact_by(sock, _RESPONSE.size, deadline))
+        magic, code, reason_len, body_len, payload_len = _RESPONSE.unpack(_recv_exact(sock, _RESPONSE.size, deadline))
         if magic != RESPONSE_MAGIC or reason_len > MAX_TOKEN_BYTES or body_len > MAX_HEADER_BYTES:
             raise ConnectionError("data plane: malformed response")
-        reason = _recv_exact_by(sock, reason_len, deadline).decode(errors="replace")
-        body = _recv_exact_by(sock, body_len, deadline)
+        reason = _recv_exact(sock, reason_len, deadline).decode(errors="replace")
+        body = _recv_exact(sock, body_len, deadline)
         status = _status_code(code)
         if status != grpc.StatusCode.OK:
             raise BulkError(status, body.decode(errors="replace"), reason)
@@ -604,9 +604,3 @@ class BulkClient:
                 self._checkin(sock)
             else:
                 sock.close()
-
-
-def _recv_exact_by(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = bytearray(n)
-    _recv_into(sock, memoryview(buf), deadline)
-    return bytes(buf)

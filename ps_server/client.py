@@ -74,6 +74,20 @@ def _dial_host(address: str) -> str | None:
     return host.strip("[]")
 
 
+def _payload_specs(
+    header: ps_pb2.PullHeader, out: Sequence[np.ndarray | None] | None
+) -> tuple[list[tuple[tuple[int, ...], np.dtype]], list[np.ndarray | None] | None]:
+    """The (shape, dtype) of each tensor a pull response carries, and the caller's ``out`` arrays for them."""
+    sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
+    wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
+    return wanted, None if out is None else [out[i] if i < len(out) else None for i in sent]
+
+
+def _pull_results(header: ps_pb2.PullHeader, arrays: Sequence[np.ndarray]) -> list[tuple[np.ndarray | None, int]]:
+    it = iter(arrays)
+    return [(None if p.not_modified else next(it), p.version) for p in header.entries]
+
+
 def deadline_for(nbytes: int) -> float:
     return _BASE_DEADLINE_S + nbytes / _MIN_RATE_BYTES_PER_S
 
@@ -205,7 +219,7 @@ class PSClient:
             return b.call(method, header, arrays, timeout, receive)
         except bulk.BulkError as e:
             if e.connected:
-                raise error_from_status(e.code, e.details, e.reason, self.task, "ps") from None
+                raise self._bulk_error(e) from None
             first = e
         # Nothing was sent: the PS restarted on another port, or its port is not reachable from here.
         with self._bulk_lock:
@@ -217,7 +231,7 @@ class PSClient:
             try:
                 return b2.call(method, header, arrays, timeout, receive)
             except bulk.BulkError as e:
-                raise error_from_status(e.code, e.details, e.reason, self.task, "ps") from None
+                raise self._bulk_error(e) from None
         if b2 is not None:
             logger.warning("%s: data plane %s:%d is unreachable (%s) while gRPC works; moving tensors over gRPC "
                            "from now on (open that port to use the data plane)", self.task, b2.host, b2.port, first.details)
@@ -234,6 +248,9 @@ class PSClient:
 
     def _error(self, e: grpc.RpcError) -> Exception:
         return error_from_rpc(e, self.task, "ps")
+
+    def _bulk_error(self, e: bulk.BulkError) -> Exception:
+        return error_from_status(e.code, e.details, e.reason, self.task, "ps")
 
     # -------------------------------------------------------------------- pull
     def pull(
@@ -258,26 +275,21 @@ class PSClient:
 
             def receive(body: bytes) -> list[np.ndarray]:
                 header = got["header"] = ps_pb2.PullHeader.FromString(body)
-                sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
-                wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
-                return codec.destination_arrays(wanted, None if out is None else [out[i] if i < len(out) else None for i in sent])
+                return codec.destination_arrays(*_payload_specs(header, out))
 
             res = self._bulk_call(bulk.PULL, req.SerializeToString(), (), timeout, receive)
             if res is not None:
-                arrays = iter(res[1])
-                return [(None if p.not_modified else next(arrays), p.version) for p in got["header"].entries]
+                return _pull_results(got["header"], res[1])
         try:
             stream = self._pull(req, metadata=self._md, timeout=timeout)
             header = ps_pb2.PullHeader.FromString(next(stream))
-            sent = [i for i, p in enumerate(header.entries) if not p.not_modified]
-            wanted = [(tuple(header.entries[i].spec.shape), codec.dtype_from_proto(header.entries[i].spec.dtype)) for i in sent]
-            reader = codec.FrameReader(wanted, None if out is None else [out[i] if i < len(out) else None for i in sent])
+            reader = codec.FrameReader(*_payload_specs(header, out))
             for frame in stream:
                 reader.feed(frame)
-            arrays = iter(reader.finish())
+            arrays = reader.finish()
         except grpc.RpcError as e:
             raise self._error(e) from None
-        return [(None if p.not_modified else next(arrays), p.version) for p in header.entries]
+        return _pull_results(header, arrays)
 
     # -------------------------------------------------------------------- push
     def _stream(self, header: Any, arrays: list[np.ndarray]) -> Iterator[bytes]:

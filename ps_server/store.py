@@ -102,18 +102,7 @@ class VariableInfo:
     has_optimizer: bool
 
 
-@jax.jit
-def _cast_bf16(x: Any) -> Any:
-    return x.astype(jax.numpy.bfloat16)
-
-
-@jax.jit
-def _cast_f16(x: Any) -> Any:
-    return x.astype(jax.numpy.float16)
-
-
-def _cast(x: Any, dtype: np.dtype) -> Any:
-    return _cast_bf16(x) if dtype == np.dtype(jax.numpy.bfloat16) else _cast_f16(x)
+_cast = jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1)
 
 
 @dataclass
