@@ -153,9 +153,12 @@ class PSClient:
         task: str = "ps:?",
         channel: grpc.Channel | None = None,
         data_plane: bool | None = None,
+        shared_memory: bool = True,
     ) -> None:
         """``data_plane``: use the PS's bulk data plane when it has one (default: yes unless this
-        process uses TLS or ``JAXDIST_DATA_PLANE=0``)."""
+        process uses TLS or ``JAXDIST_DATA_PLANE=0``). ``shared_memory``: on it, offer a
+        shared-memory region when the PS is on this host (see :mod:`jaxdist.proto.bulk`;
+        ``JAXDIST_SHM=0`` also turns that off)."""
         self.address = address
         self.task = task
         if data_plane is None:
@@ -163,6 +166,7 @@ class PSClient:
         self._bulk_host = _dial_host(address) if data_plane else None
         self._bulk: bulk.BulkClient | None = None
         self._bulk_lock = threading.Lock()
+        self._shared_memory = shared_memory
         self._token = token
         self._own_channel = channel is None
         self._channel = channel if channel is not None else rpc.make_channel(address)
@@ -196,6 +200,12 @@ class PSClient:
             return True
         return None if self._bulk_host is not None else False
 
+    @property
+    def uses_shared_memory(self) -> bool:
+        """True when at least one of this client's data-plane connections moves payloads through shared memory."""
+        b = self._bulk
+        return b is not None and b.shm_connections > 0
+
     def _data_plane(self) -> bulk.BulkClient | None:
         """The data-plane client, discovering the PS's port on first use (one GetStatus)."""
         b = self._bulk
@@ -205,7 +215,7 @@ class PSClient:
             if self._bulk is None and self._bulk_host is not None:
                 port = self.status().data_port  # a PS that cannot be reached raises its typed error here
                 if port:
-                    self._bulk = bulk.BulkClient(self._bulk_host, port, self._token)
+                    self._bulk = bulk.BulkClient(self._bulk_host, port, self._token, shared_memory=self._shared_memory)
                 else:
                     self._bulk_host = None  # this PS serves no data plane: gRPC only
             return self._bulk

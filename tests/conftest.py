@@ -32,15 +32,20 @@ def ps_server() -> Iterator[object]:
     ps.stop(grace=None)
 
 
-@pytest.fixture(params=["data_plane", "grpc"])
+@pytest.fixture(params=["data_plane", "data_plane_tcp", "grpc"])
 def ps_client(ps_server: object, request: pytest.FixtureRequest) -> Iterator[object]:
-    """A client of ``ps_server``, once moving tensors over the bulk data plane, once over gRPC."""
+    """A client of ``ps_server``, moving tensors over the bulk data plane (through shared
+    memory where this host has it, then over its socket only), and over gRPC."""
+    from jaxdist.proto import bulk as bulk_mod
     from jaxdist.ps_server.client import PSClient
 
-    bulk = request.param == "data_plane"
-    c = PSClient(ps_server.address, token=TOKEN, task="ps:0", data_plane=bulk)  # type: ignore[attr-defined]
+    bulk = request.param != "grpc"
+    shm = request.param == "data_plane"
+    c = PSClient(ps_server.address, token=TOKEN, task="ps:0", data_plane=bulk, shared_memory=shm)  # type: ignore[attr-defined]
     yield c
     assert c.uses_data_plane in ((True, None) if bulk else (False,))
+    if c.uses_data_plane:
+        assert c.uses_shared_memory == (shm and bulk_mod.shm_enabled())
     c.close()
 
 

@@ -384,3 +384,214 @@ def test_connection_limit_and_stop() -> None:
         s.stop(grace=1.0)
         assert _closed(first) and s.connections == 0
         first.close()
+
+
+# ----------------------------------------------------------- shared memory
+needs_shm = pytest.mark.skipif(not bulk.shm_enabled(), reason="no /dev/shm on this host (or JAXDIST_SHM=0)")
+
+
+def _regions() -> set[str]:
+    try:
+        return {n for n in os.listdir(bulk.SHM_DIR) if n.startswith("jaxdist-")}
+    except OSError:
+        return set()
+
+
+@contextmanager
+def _echo_server(**kw: object) -> Iterator[bulk.BulkServer]:
+    """PUSH echoes the payload back reversed; PULL fails with a typed error before reading it."""
+
+    @contextmanager
+    def echo(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
+        arr = np.empty(payload.nbytes, np.uint8)
+        payload.read_into([arr])
+        yield header, [arr[::-1].copy()]
+
+    @contextmanager
+    def refuse(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
+        raise ShapeMismatchError("refused before reading")
+        yield b"", []  # pragma: no cover
+
+    with _server({bulk.PUSH: echo, bulk.PULL: refuse}, **kw) as s:
+        yield s
+
+
+def _echo(c: bulk.BulkClient, arrays: list[np.ndarray]) -> np.ndarray:
+    n = sum(a.nbytes for a in arrays)
+    _, (out,) = c.call(bulk.PUSH, b"h", arrays, timeout=10, receive=lambda b: [np.empty(n, np.uint8)])
+    return out[::-1].copy()  # the server reversed it
+
+
+@needs_shm
+def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
+    before = _regions()
+    with _echo_server() as s:
+        # Small slots: payloads span many chunks, and chunk edges fall inside arrays.
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN, shm_slot_bytes=64 << 10)  # type: ignore[arg-type]
+        rng = np.random.default_rng(1)
+        arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (100_003, 0, 7, 65_536, 300_001)]
+        assert np.array_equal(_echo(c, arrays), np.concatenate(arrays))
+        assert c.shm_connections == 1 and s.shm_connections == 1
+        small = [np.arange(10, dtype=np.float64)]  # below SHM_MIN_PAYLOAD: on the socket, same connection
+        assert np.array_equal(_echo(c, small).view(np.float64), small[0])
+        # A typed error before the server reads a shared-memory payload: drained, connection kept in step.
+        big = np.ones(1 << 20, np.float32)
+        with pytest.raises(bulk.BulkError) as e:
+            c.call(bulk.PULL, b"", [big], timeout=10)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert np.array_equal(_echo(c, [big]).view(np.float32), big)
+        # Concurrent calls get a connection (and a region) each.
+        out: list[bool] = []
+        threads = [threading.Thread(target=lambda k=k: out.append(
+            np.array_equal(_echo(c, [np.full(200_000 + k, k, np.uint8)]), np.full(200_000 + k, k, np.uint8))))
+            for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert out == [True] * 4 and s.shm_connections == c.shm_connections >= 2
+        assert _regions() == before  # files are unlinked once both ends mapped them
+        c.close()
+        _poll(lambda: s.shm_connections == 0)
+
+
+def _poll(cond: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.01)
+
+
+@needs_shm
+def test_server_without_shared_memory_makes_clients_stop_offering() -> None:
+    with _echo_server(shared_memory=False) as s:
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        assert c.shm_connections == 0 and s.shm_connections == 0 and not c.offers_shared_memory
+        c.close()
+
+
+@needs_shm
+def test_shared_memory_budget_falls_back_to_the_socket() -> None:
+    with _echo_server(max_shm_connections=1) as s:
+        a = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        b = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        data = np.arange(1 << 18, dtype=np.int32)
+        for c in (a, b):
+            assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        assert (a.shm_connections, b.shm_connections, s.shm_connections) == (1, 0, 1)
+        assert b.offers_shared_memory  # RESOURCE_EXHAUSTED is not "another host": later connections offer again
+        a.close()
+        _poll(lambda: s.shm_connections == 0)
+        b.close()
+
+
+@needs_shm
+def test_client_without_shm_space_uses_the_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    before = _regions()
+    with _echo_server() as s:
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        assert c.shm_connections == 0 and not c.offers_shared_memory and _regions() == before
+        c.close()
+
+
+def test_shared_memory_is_off_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(bulk.ENV_SHM, "0")
+    assert not bulk.shm_enabled()
+    with _echo_server() as s:
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        assert not c.offers_shared_memory
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        c.close()
+
+
+def _attach(sock: socket.socket, name: str, nonce: bytes = bytes(16), slot: int = 64 << 10) -> tuple[int, str]:
+    header = bulk._ATTACH.pack(slot, nonce) + name.encode()
+    sock.sendall(_request(bulk.SHM_ATTACH, header))
+    return _read_status(sock)
+
+
+@needs_shm
+def test_bad_shm_attach_requests_get_typed_errors_and_the_connection_survives(tmp_path: object) -> None:
+    bad_arg = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    precondition = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    made = bulk._create_region(64 << 10)
+    assert made is not None
+    path, region = made
+    link = os.path.join(bulk.SHM_DIR, "jaxdist-" + "ab" * 16)
+    try:
+        os.symlink(path, link)
+        with _echo_server() as s, _raw_to(s) as sock:
+            assert _hello(sock) == (0, "")
+            assert _attach(sock, "../../etc/passwd")[0] == bad_arg
+            assert _attach(sock, "jaxdist-" + "0" * 32)[0] == precondition  # no such file: another host
+            assert _attach(sock, os.path.basename(path), nonce=b"x" * 16)[0] == precondition  # not the client's region
+            assert _attach(sock, os.path.basename(path), nonce=region.nonce(), slot=128 << 10)[0] == bad_arg  # wrong size
+            assert _attach(sock, os.path.basename(path), nonce=region.nonce(), slot=1000)[0] == bad_arg  # not pages
+            assert _attach(sock, os.path.basename(link), nonce=region.nonce())[0] == precondition  # symlinks refused
+            assert s.shm_connections == 0
+            # The right region maps; a second one on the same connection is refused.
+            assert _attach(sock, os.path.basename(path), nonce=region.nonce()) == (0, "")
+            assert s.shm_connections == 1
+            assert _attach(sock, os.path.basename(path), nonce=region.nonce())[0] == bad_arg
+            # Payload through the region by hand: one chunk of 70,000 bytes, then the response back.
+            data = np.arange(70_000, dtype=np.uint8)
+            sock.sendall(_request(bulk.PUSH, b"h", payload_len=data.nbytes))
+            region.slots[0][:65536] = data[:65536]
+            sock.sendall(b"D")
+            assert _recv(sock, 1) == b"A"
+            region.slots[1][:data.nbytes - 65536] = data[65536:]
+            sock.sendall(b"D")
+            assert _recv(sock, 1) == b"A"
+            magic, code, reason_len, body_len, payload_len = bulk._RESPONSE.unpack(_recv(sock, bulk._RESPONSE.size))
+            assert (code, payload_len) == (0, data.nbytes) and _recv(sock, reason_len + body_len) == b"h"
+            got = bytearray()
+            for i in range(2):
+                assert _recv(sock, 1) == b"D"
+                got += region.slots[i][: min(65536, data.nbytes - 65536 * i)].tobytes()
+                sock.sendall(b"A")
+            assert bytes(got) == data[::-1].tobytes()
+    finally:
+        bulk._unlink(link)
+        bulk._unlink(path)
+        region.close()
+
+
+@contextmanager
+def _raw_to(s: bulk.BulkServer) -> Iterator[socket.socket]:
+    sock = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+@needs_shm
+def test_client_vanishing_mid_transfer_leaves_the_server_serving() -> None:
+    with _echo_server() as s:
+        made = bulk._create_region(64 << 10)
+        assert made is not None
+        path, region = made
+        try:
+            with _raw_to(s) as sock:
+                assert _hello(sock) == (0, "")
+                assert _attach(sock, os.path.basename(path), nonce=region.nonce()) == (0, "")
+                sock.sendall(_request(bulk.PUSH, b"h", payload_len=1 << 20))
+                sock.sendall(b"D")  # one chunk of sixteen, then the client is gone
+                assert _recv(sock, 1) == b"A"
+        finally:
+            bulk._unlink(path)
+            region.close()
+        _poll(lambda: s.shm_connections == 0 and s.connections == 0)
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data) and c.shm_connections == 1
+        c.close()
