@@ -91,6 +91,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     checked one fails, None when some could not be checked (a system missing) and none failed.
     """
     rows = []
+    transports = sorted({r["transport"] for r in records if r.get("system") == "jaxdist" and r.get("transport")})
     for workload, (min_vs_tf, ref_name, min_vs_ref) in TARGETS.items():
         tf_vals = _values(records, "tf", workload)
         jd_vals = _values(records, "jaxdist", workload)
@@ -120,6 +121,7 @@ def summarize(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "tf_rounds": [round(v, 2) for v in tf_vals],
             "jaxdist_rounds": [round(v, 2) for v in jd_vals],
             "reference_rounds": [round(v, 2) for v in ref_vals],
+            "jaxdist_transport": ",".join(transports) or None,
         })
         transport = TRANSPORT_REFERENCES.get(workload)
         if transport is not None:
@@ -158,6 +160,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         if r.get("transport_reference_median") is not None:
             text += (f"\n{r['workload']}: {f(r['ratio_jaxdist_to_transport'], 2)}x {r['transport_reference']} "
                      f"({f(r['transport_reference_median'])}, one bare TCP stream; no target)")
+    used = {r.get("jaxdist_transport") for r in rows} - {None}
+    if used:
+        text += (f"\njaxdist moved tensors over: {', '.join(sorted(used))} (shm: same-host shared memory; "
+                 "JAXDIST_SHM=0 for the data plane's TCP socket, JAXDIST_DATA_PLANE=0 for gRPC)")
     return text
 
 

@@ -61,6 +61,16 @@ def emit(**kv: Any) -> None:
     print(json.dumps(kv), flush=True)
 
 
+def tensor_transport() -> str:
+    """How this run's PS clients move tensors (the cluster's processes inherit this environment):
+    "shm" (data plane, same-host shared memory), "tcp" (data plane socket) or "grpc"."""
+    from jaxdist.proto import bulk
+
+    if not bulk.enabled():
+        return "grpc"
+    return "shm" if bulk.shm_enabled() else "tcp"
+
+
 def transfer_dtype_supported() -> bool:
     """Whether ``jaxdist.apply_gradients`` takes ``transfer_dtype=`` (gradients sent in a narrower dtype)."""
     import jaxdist
@@ -270,7 +280,7 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
 
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
                 grad_dtype: str, pull_dtype: str = "float32") -> None:
-    common = {"system": "jaxdist", "workers": workers, "ps": ps}
+    common = {"system": "jaxdist", "workers": workers, "ps": ps, "transport": tensor_transport()}
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
     with JaxdistBench(workers=workers, ps=ps) as b:

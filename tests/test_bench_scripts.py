@@ -42,6 +42,7 @@ def test_jaxdist_workloads_noop_json_schema() -> None:
     assert rec["system"] == "jaxdist"
     assert rec["workload"] == "noop_closures_per_s"
     assert rec["workers"] == 1 and rec["ps"] == 2 and rec["closures"] == 200
+    assert rec["transport"] in ("shm", "tcp", "grpc")
     assert isinstance(rec["median"], float) and rec["median"] > 0
     assert len(rec["runs"]) == 1 and rec["runs"][0] == rec["median"]
 
@@ -111,6 +112,13 @@ def test_summary_without_tf_and_tf_in_closure_timing(compare_tf) -> None:  # typ
     assert rows["pull_64MB_MBps"]["tf_median"] == 80.0
     assert rows["mlp_steps_per_s"]["tf_median"] == 5.0
     assert "pull_64MB_MBps" in compare_tf.format_table(list(rows.values()))
+    assert pull["jaxdist_transport"] is None and "moved tensors over" not in compare_tf.format_table([pull])
+
+    # The transport jaxdist used is carried into every row and named under the table.
+    shm = [dict(r, transport="shm") if r.get("system") == "jaxdist" else r for r in records]
+    rows = compare_tf.summarize(shm)
+    assert {r["jaxdist_transport"] for r in rows} == {"shm"}
+    assert "jaxdist moved tensors over: shm" in compare_tf.format_table(rows)
 
 
 @pytest.mark.timeout(30)
