@@ -36,7 +36,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_ps  # noqa: E402
-from jaxdist_workloads import JaxdistBench, _capture  # noqa: E402
+from jaxdist_workloads import JaxdistBench, _capture, tensor_transport  # noqa: E402
 
 MB = bench_ps.MB
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     meta = {"quick": args.quick, "repeats": repeats, "cpus": os.cpu_count(), "machine": os.uname().nodename,
             "jaxdist_version": jaxdist.__version__, "jax_version": jax.__version__, "python": sys.version.split()[0],
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), **cfg}
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "transport": tensor_transport(), **cfg}
     meta.pop("repeats", None)
     meta["repeats"] = repeats
     emit(kind="meta", **meta)
