@@ -595,3 +595,40 @@ def test_client_vanishing_mid_transfer_leaves_the_server_serving() -> None:
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data) and c.shm_connections == 1
         c.close()
+
+
+def _shm_in_use() -> list[bool]:
+    from jaxdist.variables import current_connections
+
+    return [c.uses_shared_memory for c in current_connections().clients]
+
+
+@needs_shm
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_local_cluster_workers_and_coordinator_use_shared_memory() -> None:
+    import optax
+
+    import jaxdist
+
+    with jaxdist.LocalCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2))
+        try:
+            w0 = np.random.default_rng(3).standard_normal((512, 256)).astype(np.float32)  # 256 KB per shard
+            with strategy.scope():
+                v = jaxdist.create_variables({"w": w0}, name="shm", optimizer=optax.sgd(1.0))
+            coord = jaxdist.ClusterCoordinator(strategy)
+
+            def step() -> list[bool]:
+                p = jaxdist.pull(v)
+                jaxdist.apply_gradients(v, {"w": np.ones_like(p["w"])})
+                return _shm_in_use()
+
+            rv = coord.schedule(step)
+            coord.join()
+            assert rv.fetch() == [True, True]  # the worker's clients, in its own process
+            np.testing.assert_allclose(jaxdist.pull(v)["w"], w0 - 1.0)
+            assert _shm_in_use() == [True, True]  # the coordinator's, after that pull
+            coord.shutdown()
+        finally:
+            strategy.close()
