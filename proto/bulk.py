@@ -300,6 +300,8 @@ def _open_region(header: bytes) -> _Region:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
             raise E.InvalidRequestError(f"ShmAttach: {path} is not a {size}-byte region file of this user")
         mm = mmap.mmap(fd, size)
+    except OSError as e:  # e.g. ENOMEM: this connection stays on the socket, the server goes on
+        raise E.RemoteError(f"ShmAttach: cannot map {path} ({e.strerror})", code=grpc.StatusCode.RESOURCE_EXHAUSTED) from None
     finally:
         os.close(fd)
     region = _Region(mm, slot_bytes)

@@ -232,6 +232,16 @@ def test_restarted_ps_is_rediscovered_on_its_new_data_port() -> None:
         ps = ParameterServer(token=TOKEN, port=port)
         ps.start()
         assert ps.data_port != first
+        # The client's gRPC channel saw the refused connect and reconnects after its backoff
+        # (~1 s); callers retry UNAVAILABLE, as the strategy does.
+        end = time.monotonic() + 20
+        while True:
+            try:
+                c.status()
+                break
+            except PSUnavailableError:
+                assert time.monotonic() < end, "the restarted PS never became reachable"
+                time.sleep(0.05)
         c.create([CreateSpec("v", value=np.full(3, 7, np.float32))])
         ((v, _),) = c.pull([PullSpec("v")])
         assert v.tolist() == [7, 7, 7] and c.uses_data_plane
@@ -632,3 +642,23 @@ def test_local_cluster_workers_and_coordinator_use_shared_memory() -> None:
             coord.shutdown()
         finally:
             strategy.close()
+
+
+@needs_shm
+def test_server_that_cannot_map_a_region_keeps_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = bulk.mmap.mmap
+    made: list[int] = []
+
+    def mmap_failing_on_the_server(fd: int, size: int, *a: object, **kw: object) -> object:
+        made.append(size)
+        if len(made) == 2:  # the client's own mapping is the first; the server's the second
+            raise OSError(12, "Cannot allocate memory")
+        return real(fd, size, *a, **kw)
+
+    monkeypatch.setattr(bulk.mmap, "mmap", mmap_failing_on_the_server)
+    with _echo_server() as s:
+        c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        assert c.shm_connections == 0 and s.shm_connections == 0 and c.offers_shared_memory
+        c.close()
