@@ -34,7 +34,7 @@ from jaxdist.proto import bulk, codec, ps_pb2
 from jaxdist.ps_server.client import CreateSpec, PSClient, PullSpec, PushSpec
 from jaxdist.ps_server.server import ParameterServer
 
-from conftest import TOKEN
+from conftest import TOKEN, poll_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -462,14 +462,7 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
         assert out == [True] * 4 and s.shm_connections == c.shm_connections >= 2
         assert _regions() == before  # files are unlinked once both ends mapped them
         c.close()
-        _poll(lambda: s.shm_connections == 0)
-
-
-def _poll(cond: object, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < end, "condition not reached"
-        time.sleep(0.01)
+        poll_for(lambda: s.shm_connections == 0, 10, what="the region to be released")
 
 
 @needs_shm
@@ -493,7 +486,7 @@ def test_shared_memory_budget_falls_back_to_the_socket() -> None:
         assert (a.shm_connections, b.shm_connections, s.shm_connections) == (1, 0, 1)
         assert b.offers_shared_memory  # RESOURCE_EXHAUSTED is not "another host": later connections offer again
         a.close()
-        _poll(lambda: s.shm_connections == 0)
+        poll_for(lambda: s.shm_connections == 0, 10, what="the region to be released")
         b.close()
 
 
@@ -600,7 +593,7 @@ def test_client_vanishing_mid_transfer_leaves_the_server_serving() -> None:
         finally:
             bulk._unlink(path)
             region.close()
-        _poll(lambda: s.shm_connections == 0 and s.connections == 0)
+        poll_for(lambda: s.shm_connections == 0 and s.connections == 0, 10, what="the region to be released")
         c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data) and c.shm_connections == 1
