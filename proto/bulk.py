@@ -27,6 +27,11 @@ Wire format (little-endian; one connection carries one call at a time):
   see :mod:`jaxdist.proto.status`), the body (the response message when OK,
   the error text otherwise) and the payload.
 
+TLS: a PS that serves gRPC with TLS serves the data plane with TLS too, with
+the same certificate, CA and client-certificate rule (``TLSConfig.server_ssl_context``
+/ ``client_ssl_context``); the handshake comes first, then the hello above.
+A plaintext or untrusted peer fails the handshake and only its connection ends.
+
 Bad input never kills a server: an unknown method, bad magic or over-large
 header ends that connection after an error response (the framing can no
 longer be trusted); a request whose header is garbage, names an unknown
@@ -66,9 +71,10 @@ import mmap
 import os
 import re
 import secrets
-import stat
 import select
 import socket
+import ssl
+import stat
 import struct
 import threading
 import time
@@ -479,6 +485,7 @@ class BulkServer:
         observe: optional ``observe(method_name, seconds, failed)`` per call (metrics).
         shared_memory: accept same-host clients' shared-memory regions (also needs
             :func:`shm_enabled`); at most ``max_shm_connections`` at once.
+        tls: serve TLS with this server context (the handshake precedes the hello).
 
     ``start``/``stop`` or a context manager. ``stop`` closes the listener and
     every connection and joins the threads.
@@ -494,8 +501,10 @@ class BulkServer:
         observe: Callable[[str, float, bool], None] | None = None,
         shared_memory: bool = True,
         max_shm_connections: int = DEFAULT_MAX_SHM_CONNECTIONS,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self._handlers = dict(handlers)
+        self._tls = tls
         self._shared_memory = shared_memory and shm_enabled()
         self._max_shm = max_shm_connections
         self._shm_conns = 0
@@ -596,7 +605,10 @@ class BulkServer:
                     busy = False
                     self._conns.add(conn)
             if busy:
-                self._refuse(conn, E.PayloadTooLargeError(f"data plane: more than {self._max_connections} connections"))
+                if self._tls is not None:
+                    conn.close()  # no plaintext error for a TLS client: it sees the handshake fail
+                else:
+                    self._refuse(conn, E.PayloadTooLargeError(f"data plane: more than {self._max_connections} connections"))
                 continue
             t = threading.Thread(target=self._serve, args=(conn,), name="jaxdist-bulk-conn", daemon=True)
             with self._lock:
@@ -628,9 +640,17 @@ class BulkServer:
         return True
 
     def _serve(self, conn: socket.socket) -> None:
-        chan = _Channel(conn)
+        chan: _Channel | None = None
         try:
             _tune(conn)
+            if self._tls is not None:
+                conn.settimeout(HELLO_TIMEOUT_S)
+                secure = self._tls.wrap_socket(conn, server_side=True)  # handshake; ``conn`` is detached
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._conns.add(secure)
+                conn = secure
+            chan = _Channel(conn)
             if not self._hello(conn):
                 return
             while not self._stopped.is_set():
@@ -657,11 +677,12 @@ class BulkServer:
         finally:
             conn.close()
             with self._lock:
-                if chan.region is not None:
+                if chan is not None and chan.region is not None:
                     self._shm_conns -= 1
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
-            chan.close()
+            if chan is not None:
+                chan.close()
 
     def _attach(self, chan: _Channel, header: bytes) -> None:
         """ShmAttach: map the client's region (typed error: the client keeps using the socket)."""
@@ -745,6 +766,8 @@ class BulkServer:
 # ---------------------------------------------------------------------- client
 def _alive(sock: socket.socket) -> bool:
     """An idle connection is usable: nothing to read (EOF or stray bytes mean it is not)."""
+    if isinstance(sock, ssl.SSLSocket) and sock.pending():
+        return False  # decrypted bytes nobody asked for
     try:
         poller = select.poll()  # not select(): it fails for descriptors above 1024
         poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
@@ -765,11 +788,18 @@ class BulkClient:
     :func:`shm_enabled`); once a server answers that it cannot map it (another
     host), this client stops offering. :attr:`shm_connections` counts the
     connections that use one.
+
+    With ``tls`` (a client context) every connection starts with a TLS
+    handshake that checks the server's certificate against ``server_hostname``
+    (default: ``host``).
     """
 
     def __init__(self, host: str, port: int, token: str | None = None, connect_timeout: float = 3.0, max_idle: int = 8,
-                 shared_memory: bool = True, shm_slot_bytes: int = SHM_SLOT_BYTES) -> None:
+                 shared_memory: bool = True, shm_slot_bytes: int = SHM_SLOT_BYTES, tls: ssl.SSLContext | None = None,
+                 server_hostname: str | None = None) -> None:
         self.host = host
+        self._tls = tls
+        self._server_hostname = server_hostname or host
         self.port = port
         self._token = token.encode() if token else b""
         self._connect_timeout = connect_timeout
@@ -825,6 +855,8 @@ class BulkClient:
         try:
             _tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
+            if self._tls is not None:
+                sock = chan.sock = self._tls.wrap_socket(sock, server_hostname=self._server_hostname)
             sock.sendall(_HELLO.pack(HELLO_MAGIC, len(self._token)) + self._token)
             self._read_response(sock, deadline)
             if self._offer_shm:

@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -187,6 +188,39 @@ class TLSConfig:
             certificate_chain=_read_pem(self.cert, "certificate"),
         )
 
+    # The PS data plane (jaxdist.proto.bulk) speaks TLS with the same files through Python's ssl.
+    def server_ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` server context with the same rules as :meth:`server_credentials`."""
+        self.server_credentials()  # same checks and errors (missing cert, mutual TLS without CA)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        # No session tickets: a pooled idle connection must never have unsolicited bytes to read.
+        ctx.num_tickets = 0
+        try:
+            ctx.load_cert_chain(self.cert, self.key)  # type: ignore[arg-type]
+            if self.ca:
+                ctx.load_verify_locations(cafile=self.ca)
+        except (OSError, ssl.SSLError) as e:
+            raise E.ConfigurationError(f"cannot load TLS files for the data plane ({self.cert}, {self.ca}): {e}") from None
+        ctx.verify_mode = ssl.CERT_REQUIRED if self.require_client_cert else (ssl.CERT_OPTIONAL if self.ca else ssl.CERT_NONE)
+        return ctx
+
+    def client_ssl_context(self) -> ssl.SSLContext:
+        """An ``ssl`` client context with the same trust as :meth:`channel_credentials`
+        (``ca``, else the system roots; this process's certificate when it has one)."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the server's certificate and name
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            if self.ca:
+                ctx.load_verify_locations(cafile=self.ca)
+            else:
+                ctx.load_default_certs()
+            if self.cert:
+                ctx.load_cert_chain(self.cert, self.key)
+        except (OSError, ssl.SSLError) as e:
+            raise E.ConfigurationError(f"cannot load TLS files for the data plane ({self.cert}, {self.ca}): {e}") from None
+        return ctx
+
 
 class _FromEnv:
     """Sentinel: use :func:`default_tls`."""
@@ -215,7 +249,8 @@ def default_tls() -> TLSConfig | None:
     return TLSConfig.from_env() if tls is FROM_ENV else tls
 
 
-def _resolve_tls(tls: TLSConfig | None | Any) -> TLSConfig | None:
+def resolve_tls(tls: TLSConfig | None | Any) -> TLSConfig | None:
+    """``tls`` itself, or the process-wide config for :data:`FROM_ENV`."""
     return default_tls() if tls is FROM_ENV else tls
 
 
@@ -224,7 +259,7 @@ def make_channel(
 ) -> grpc.Channel:
     """A channel to ``address``; TLS when ``tls`` (default: the process-wide config) says so."""
     options = channel_options(max_message_bytes)
-    cfg = _resolve_tls(tls)
+    cfg = resolve_tls(tls)
     if cfg is None:
         return grpc.insecure_channel(address, options=options)
     if cfg.server_name:
@@ -452,7 +487,7 @@ class Server:
                 "workers run shipped code, so an open port is remote code execution. "
                 "Set JAXDIST_TOKEN (or --token-file), or pass --insecure on a trusted network."
             )
-        self.tls: TLSConfig | None = _resolve_tls(tls)
+        self.tls: TLSConfig | None = resolve_tls(tls)
         self._credentials = self.tls.server_credentials() if self.tls is not None else None  # fail early on bad files
         interceptors: list[grpc.ServerInterceptor] = []
         self._latency: _LatencyInterceptor | None = None

@@ -154,22 +154,26 @@ class PSClient:
         channel: grpc.Channel | None = None,
         data_plane: bool | None = None,
         shared_memory: bool = True,
+        tls: Any = rpc.FROM_ENV,
     ) -> None:
-        """``data_plane``: use the PS's bulk data plane when it has one (default: yes unless this
-        process uses TLS or ``JAXDIST_DATA_PLANE=0``). ``shared_memory``: on it, offer a
-        shared-memory region when the PS is on this host (see :mod:`jaxdist.proto.bulk`;
-        ``JAXDIST_SHM=0`` also turns that off)."""
+        """``data_plane``: use the PS's bulk data plane when it has one (default: yes unless
+        ``JAXDIST_DATA_PLANE=0``). ``shared_memory``: on it, offer a shared-memory region
+        when the PS is on this host (see :mod:`jaxdist.proto.bulk`; ``JAXDIST_SHM=0`` also
+        turns that off). ``tls``: the :class:`~jaxdist.proto.rpc.TLSConfig` of this client
+        (default: the process's), used by the channel it makes and by the data plane; pass
+        the same one that made ``channel`` when you give one."""
         self.address = address
         self.task = task
         if data_plane is None:
-            data_plane = bulk.enabled() and rpc.default_tls() is None
+            data_plane = bulk.enabled()
+        self._tls = rpc.resolve_tls(tls)
         self._bulk_host = _dial_host(address) if data_plane else None
         self._bulk: bulk.BulkClient | None = None
         self._bulk_lock = threading.Lock()
         self._shared_memory = shared_memory
         self._token = token
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else rpc.make_channel(address)
+        self._channel = channel if channel is not None else rpc.make_channel(address, tls=self._tls)
         self._md = rpc.auth_metadata(token)
         ch = self._channel
         self._pull = ch.unary_stream(_SVC + "Pull", request_serializer=ps_pb2.PullRequest.SerializeToString)
@@ -215,7 +219,10 @@ class PSClient:
             if self._bulk is None and self._bulk_host is not None:
                 port = self.status().data_port  # a PS that cannot be reached raises its typed error here
                 if port:
-                    self._bulk = bulk.BulkClient(self._bulk_host, port, self._token, shared_memory=self._shared_memory)
+                    tls = self._tls.client_ssl_context() if self._tls is not None else None
+                    name = self._tls.server_name if self._tls is not None else None
+                    self._bulk = bulk.BulkClient(self._bulk_host, port, self._token, shared_memory=self._shared_memory,
+                                                 tls=tls, server_hostname=name)
                 else:
                     self._bulk_host = None  # this PS serves no data plane: gRPC only
             return self._bulk

@@ -27,6 +27,8 @@ class ParameterServer(service.TaskServer):
     (default: the process-wide one, see :func:`jaxdist.proto.rpc.default_tls`;
     None: plaintext). With ``metrics`` (a :class:`~jaxdist.metrics.MetricsExporter`)
     the PS's counters and RPC latencies are registered in it (start it yourself).
+    ``data_port``: where the bulk data plane listens (0: a free port; None: no data
+    plane); it serves TLS exactly when gRPC does.
     """
 
     def __init__(
@@ -45,11 +47,12 @@ class ParameterServer(service.TaskServer):
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
         super().__init__(SERVICE, ParameterServerServicer(self.store, task_index, token=token), _ps_collector,
                          host, port, token, insecure, tls, metrics, max_message_bytes)
-        # The bulk data plane serves Pull/Push beside gRPC (see jaxdist.proto.bulk). It is
-        # plaintext, so a PS serving TLS leaves it off and clients move tensors over gRPC+TLS.
+        # The bulk data plane serves Pull/Push beside gRPC (see jaxdist.proto.bulk), with
+        # the same TLS rules as gRPC when this PS serves TLS.
         self.bulk: bulk.BulkServer | None = None
-        if data_port is not None and bulk.enabled() and self.server.tls is None:
-            self.bulk = bulk.BulkServer(self.servicer.bulk_handlers(), host, data_port, token,
+        if data_port is not None and bulk.enabled():
+            tls = self.server.tls.server_ssl_context() if self.server.tls is not None else None
+            self.bulk = bulk.BulkServer(self.servicer.bulk_handlers(), host, data_port, token, tls=tls,
                                         observe=lambda m, sec, failed: self.server.observe_call(f"{SERVICE}/{m}", sec, failed))
 
     @property
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest variable (shard) this PS accepts, in MiB")
     p.add_argument("--data-port", type=int, default=0,
                    help="TCP port of the bulk data plane for Pull/Push (0 picks a free one; it is announced in "
-                        "GetStatus, and clients that cannot reach it use gRPC); off with TLS or --no-data-plane")
+                        "GetStatus, and clients that cannot reach it use gRPC; TLS when gRPC is); off with --no-data-plane")
     p.add_argument("--no-data-plane", action="store_true",
                    help=f"move tensors over gRPC only (also: {bulk.ENV_DATA_PLANE}=0)")
     return p

@@ -40,8 +40,9 @@ def tls_ps(pki: tuple[certs.CertPaths, certs.CertPaths]) -> Iterator[ParameterSe
     ps.stop(grace=None)
 
 
-def _client(address: str, tls: rpc.TLSConfig | None, token: str = TOKEN) -> PSClient:
-    return PSClient(address, token=token, task="ps:0", channel=rpc.make_channel(address, tls=tls))
+def _client(address: str, tls: rpc.TLSConfig | None, token: str = TOKEN, shared_memory: bool = True) -> PSClient:
+    return PSClient(address, token=token, task="ps:0", channel=rpc.make_channel(address, tls=tls), tls=tls,
+                    shared_memory=shared_memory)
 
 
 def test_certs_are_what_the_cli_says(pki: tuple[certs.CertPaths, certs.CertPaths]) -> None:
@@ -67,8 +68,8 @@ def test_valid_client_certificate_is_accepted(tls_ps: ParameterServer, pki: tupl
             c.create([CreateSpec("v", value=np.ones(3, np.float32), if_exists="keep")])
             (value, _version), = c.pull([PullSpec("v")])
             assert value is not None and value.tolist() == [1.0, 1.0, 1.0]
-            # The plaintext data plane is off under TLS: tensors went over gRPC+TLS.
-            assert tls_ps.data_port is None and c.uses_data_plane is False
+            # Tensors went over the data plane, which speaks TLS too.
+            assert tls_ps.data_port and c.uses_data_plane is True
 
 
 @pytest.mark.parametrize("kind", ["plaintext", "tls_without_client_cert", "cert_from_another_ca"])
@@ -179,3 +180,88 @@ def test_local_cluster_with_tls_trains(tmp_path: Path) -> None:
         coord.shutdown()
         assert cluster.wait_exit(30) == {"ps:0": 0, "worker:0": 0, "worker:1": 0}
     assert rpc.default_tls() == before  # the process default is restored
+
+
+# ------------------------------------------------------------ data plane over TLS
+@pytest.mark.parametrize("shm", [True, False], ids=["shared_memory", "socket"])
+def test_data_plane_over_tls_moves_tensors_exactly(
+    tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], shm: bool
+) -> None:
+    from jaxdist.proto import bulk
+    from jaxdist.ps_server.client import PushSpec
+
+    big = np.random.default_rng(0).standard_normal((1000, 700)).astype(np.float32)  # 2.8 MB: several records/slots
+    with _client(tls_ps.address, pki[0].client_tls(), shared_memory=shm) as c:
+        c.create([CreateSpec("big", value=big)])
+        c.push([PushSpec("big", "assign_add", big)])
+        ((got, version),) = c.pull([PullSpec("big")])
+        assert version == 2 and np.array_equal(got, 2 * big)
+        assert c.uses_data_plane is True and c.uses_shared_memory == (shm and bulk.shm_enabled())
+    assert tls_ps.servicer.stats["pulls"] >= 1
+
+
+def _bulk_client(ps: ParameterServer, tls: rpc.TLSConfig | None, token: str = TOKEN) -> object:
+    from jaxdist.proto import bulk
+
+    ctx = tls.client_ssl_context() if tls is not None else None
+    return bulk.BulkClient("127.0.0.1", ps.data_port, token, tls=ctx)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["plaintext", "tls_without_client_cert", "cert_from_another_ca", "server_not_trusted"])
+def test_data_port_rejects_clients_without_a_valid_certificate(
+    tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], kind: str
+) -> None:
+    import grpc
+
+    from jaxdist.proto import bulk
+
+    ours, other = pki
+    tls = {
+        "plaintext": None,
+        "tls_without_client_cert": rpc.TLSConfig(ca=ours.ca),
+        "cert_from_another_ca": rpc.TLSConfig(cert=other.client_cert, key=other.client_key, ca=ours.ca),
+        "server_not_trusted": rpc.TLSConfig(cert=ours.client_cert, key=ours.client_key, ca=other.ca),
+    }[kind]
+    c = _bulk_client(tls_ps, tls)
+    try:
+        with pytest.raises(bulk.BulkError) as e:
+            c.call(bulk.PULL, b"", (), timeout=5)  # type: ignore[attr-defined]
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and not e.value.connected
+    finally:
+        c.close()  # type: ignore[attr-defined]
+    # The server is unharmed: a valid client still gets served.
+    with _client(tls_ps.address, ours.client_tls()) as good:
+        good.create([CreateSpec("v", value=np.ones(3, np.float32), if_exists="keep")])
+        assert good.pull([PullSpec("v")])[0][0].tolist() == [1.0, 1.0, 1.0] and good.uses_data_plane is True
+    assert tls_ps.servicer.stats["pulls"] == 1
+
+
+def test_data_plane_over_tls_still_checks_the_token(tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths]) -> None:
+    import grpc
+
+    from jaxdist.proto import bulk
+
+    c = _bulk_client(tls_ps, pki[0].client_tls(), token="wrong-token")
+    try:
+        with pytest.raises(bulk.BulkError) as e:
+            c.call(bulk.PULL, b"", (), timeout=5)  # type: ignore[attr-defined]
+        assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        c.close()  # type: ignore[attr-defined]
+
+
+def test_garbage_on_the_tls_data_port_ends_only_that_connection(tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths]) -> None:
+    import socket
+
+    for junk in (b"JXB1\x00\x00\x00\x00", b"\x16\x03\x01\xff\xff" + b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", tls_ps.data_port), timeout=5) as s:
+            s.sendall(junk)
+            s.settimeout(15)
+            try:
+                while s.recv(4096):  # a TLS alert at most, then the server closes
+                    pass
+            except ConnectionResetError:
+                pass
+    with _client(tls_ps.address, pki[0].client_tls()) as good:
+        good.create([CreateSpec("w", value=np.zeros(2, np.float32))])
+        assert good.pull([PullSpec("w")])[0][1] == 1 and good.uses_data_plane is True
