@@ -72,17 +72,27 @@ def test_valid_client_certificate_is_accepted(tls_ps: ParameterServer, pki: tupl
             assert tls_ps.data_port and c.uses_data_plane is True
 
 
-@pytest.mark.parametrize("kind", ["plaintext", "tls_without_client_cert", "cert_from_another_ca"])
-def test_clients_without_a_valid_certificate_are_rejected(
-    tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], kind: str
-) -> None:
+BAD_CLIENTS = ["plaintext", "tls_without_client_cert", "cert_from_another_ca", "server_not_trusted"]
+
+
+def _bad_tls(pki: tuple[certs.CertPaths, certs.CertPaths], kind: str) -> rpc.TLSConfig | None:
+    """The TLS config of a client the cluster must refuse (or that must refuse the cluster)."""
     ours, other = pki
-    tls = {
+    return {
         "plaintext": None,
         "tls_without_client_cert": rpc.TLSConfig(ca=ours.ca),
         # An impostor trusting our CA (so it would accept the server) but with its own CA's certificate.
         "cert_from_another_ca": rpc.TLSConfig(cert=other.client_cert, key=other.client_key, ca=ours.ca),
+        # A valid client that trusts another CA, so it refuses our server.
+        "server_not_trusted": rpc.TLSConfig(cert=ours.client_cert, key=ours.client_key, ca=other.ca),
     }[kind]
+
+
+@pytest.mark.parametrize("kind", BAD_CLIENTS)
+def test_clients_without_a_valid_certificate_are_rejected(
+    tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], kind: str
+) -> None:
+    tls = _bad_tls(pki, kind)
     with _client(tls_ps.address, tls) as c, pytest.raises(PSUnavailableError):
         c.status(timeout=5)
     assert tls_ps.servicer.stats["pulls"] == 0 and tls_ps.servicer.stats["pushes"] == 0
@@ -207,7 +217,7 @@ def _bulk_client(ps: ParameterServer, tls: rpc.TLSConfig | None, token: str = TO
     return bulk.BulkClient("127.0.0.1", ps.data_port, token, tls=ctx)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["plaintext", "tls_without_client_cert", "cert_from_another_ca", "server_not_trusted"])
+@pytest.mark.parametrize("kind", BAD_CLIENTS)
 def test_data_port_rejects_clients_without_a_valid_certificate(
     tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], kind: str
 ) -> None:
@@ -215,14 +225,8 @@ def test_data_port_rejects_clients_without_a_valid_certificate(
 
     from jaxdist.proto import bulk
 
-    ours, other = pki
-    tls = {
-        "plaintext": None,
-        "tls_without_client_cert": rpc.TLSConfig(ca=ours.ca),
-        "cert_from_another_ca": rpc.TLSConfig(cert=other.client_cert, key=other.client_key, ca=ours.ca),
-        "server_not_trusted": rpc.TLSConfig(cert=ours.client_cert, key=ours.client_key, ca=other.ca),
-    }[kind]
-    c = _bulk_client(tls_ps, tls)
+    ours = pki[0]
+    c = _bulk_client(tls_ps, _bad_tls(pki, kind))
     try:
         with pytest.raises(bulk.BulkError) as e:
             c.call(bulk.PULL, b"", (), timeout=5)  # type: ignore[attr-defined]
