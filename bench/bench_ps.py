@@ -16,6 +16,7 @@ Each figure is the median of --repeats runs. Usage: python bench/bench_ps.py [--
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -48,8 +50,12 @@ _RAW_SERVER = textwrap.dedent(
     CHUNK = b"\\0" * (4 << 20)
     BIG = b"\\0" * (64 << 20)
     def tiny(req, ctx): return b"ok"
-    def stream(req, ctx):
-        for _ in range(16): yield CHUNK
+    def stream(req, ctx):  # the request says how many bytes to stream, in 4 MB chunks
+        left = int(req)
+        while left > 0:
+            n = min(left, len(CHUNK))
+            yield CHUNK if n == len(CHUNK) else CHUNK[:n]
+            left -= n
     def upload(it, ctx):
         n = 0
         for c in it: n += len(c)
@@ -145,7 +151,9 @@ def bench_raw_tcp(repeats: int) -> dict[str, float]:
         proc.wait(10)
 
 
-def bench_raw_grpc(repeats: int) -> dict[str, float]:
+@contextlib.contextmanager
+def raw_grpc_server() -> Iterator[Any]:
+    """A plain gRPC server process (``raw.Raw``: Tiny, Stream of N bytes, Upload, Big) and a channel to it."""
     import grpc
 
     proc = subprocess.Popen([sys.executable, "-c", _RAW_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -153,6 +161,17 @@ def bench_raw_grpc(repeats: int) -> dict[str, float]:
         port = int(proc.stdout.readline())  # type: ignore[union-attr]
         opts = [("grpc.max_send_message_length", 128 << 20), ("grpc.max_receive_message_length", 128 << 20)]
         ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+        try:
+            yield ch
+        finally:
+            ch.close()
+    finally:
+        proc.stdin.close()  # type: ignore[union-attr]
+        proc.wait(10)
+
+
+def bench_raw_grpc(repeats: int) -> dict[str, float]:
+    with raw_grpc_server() as ch:
         tiny = ch.unary_unary("/raw.Raw/Tiny")
         stream = ch.unary_stream("/raw.Raw/Stream")
         upload = ch.stream_unary("/raw.Raw/Upload")
@@ -175,7 +194,7 @@ def bench_raw_grpc(repeats: int) -> dict[str, float]:
         def down() -> float:
             t = time.perf_counter()
             for _ in range(3):
-                sum(len(c) for c in stream(b"x", timeout=30))
+                sum(len(c) for c in stream(str(64 << 20).encode(), timeout=30))
             return 3 * 64 / (time.perf_counter() - t)
 
         def up() -> float:
@@ -196,11 +215,7 @@ def bench_raw_grpc(repeats: int) -> dict[str, float]:
             med, vals = median_of(fn, repeats)
             out[name] = med
             emit(workload=name, median=round(med, 1), runs=[round(v, 1) for v in vals])
-        ch.close()
         return out
-    finally:
-        proc.stdin.close()  # type: ignore[union-attr]
-        proc.wait(10)
 
 
 # ------------------------------------------------------------ plain jax MLP

@@ -25,9 +25,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import textwrap
 import time
 from concurrent import futures
 from typing import Any
@@ -56,43 +54,10 @@ def pulls_for(mb: float) -> int:
     return max(5, min(30, int(512 // mb)))
 
 
-# ----------------------------------------------------------------- raw gRPC, sized
-# Like bench_ps's raw server, but the request says how many bytes to stream (4 MB chunks).
-_RAW_SIZED_SERVER = textwrap.dedent(
-    """
-    import sys, grpc
-    from concurrent import futures
-    CHUNK = b"\\0" * (4 << 20)
-    def tiny(req, ctx): return b"ok"
-    def stream(req, ctx):
-        left = int(req)
-        while left > 0:
-            n = min(left, len(CHUNK))
-            yield CHUNK if n == len(CHUNK) else CHUNK[:n]
-            left -= n
-    h = grpc.method_handlers_generic_handler("raw.Raw", {
-        "Tiny": grpc.unary_unary_rpc_method_handler(tiny),
-        "Stream": grpc.unary_stream_rpc_method_handler(stream)})
-    opts = [("grpc.max_send_message_length", 128 << 20), ("grpc.max_receive_message_length", 128 << 20)]
-    s = grpc.server(futures.ThreadPoolExecutor(16), options=opts)
-    s.add_generic_rpc_handlers((h,))
-    port = s.add_insecure_port("127.0.0.1:0")
-    s.start()
-    print(port, flush=True)
-    sys.stdin.read()
-    """
-)
-
-
+# ----------------------------------------------------------------- raw gRPC
 def raw_grpc_reference(sizes_mb: list[float], repeats: int) -> dict[str, Any]:
     """Median seconds to stream each size from a plain gRPC server process, and tiny concurrent calls/s."""
-    import grpc
-
-    proc = subprocess.Popen([sys.executable, "-c", _RAW_SIZED_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        port = int(proc.stdout.readline())  # type: ignore[union-attr]
-        opts = [("grpc.max_send_message_length", 128 << 20), ("grpc.max_receive_message_length", 128 << 20)]
-        ch = grpc.insecure_channel(f"127.0.0.1:{port}", options=opts)
+    with bench_ps.raw_grpc_server() as ch:  # its Stream sends the requested number of bytes in 4 MB chunks
         tiny = ch.unary_unary("/raw.Raw/Tiny")
         stream = ch.unary_stream("/raw.Raw/Stream")
         tiny(b"x", timeout=10)
@@ -121,11 +86,7 @@ def raw_grpc_reference(sizes_mb: list[float], repeats: int) -> dict[str, Any]:
         out["tiny_concurrent_calls_per_s"] = round(statistics.median(vals), 1)
         emit(panel="noop", system="reference", workload="raw_grpc_tiny_concurrent_calls_per_s",
              median=out["tiny_concurrent_calls_per_s"], runs=[round(v, 1) for v in vals])
-        ch.close()
         return out
-    finally:
-        proc.stdin.close()  # type: ignore[union-attr]
-        proc.wait(10)
 
 
 # ----------------------------------------------------------------- jaxdist
