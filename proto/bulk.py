@@ -357,8 +357,9 @@ class _Channel:
         if got != want:
             raise ConnectionError(f"data plane: expected slot token {want!r}, got {got!r}")
 
-    def settle(self, deadline: float | None = None) -> None:
-        while self._due:
+    def settle(self, deadline: float | None = None, keep: int = 0) -> None:
+        """Read acknowledgements until at most ``keep`` are still due."""
+        while self._due > keep:
             self._token(_ACK, deadline)
             self._due -= 1
 
@@ -377,9 +378,7 @@ class _Channel:
             pos, n = 0, v.nbytes
             while pos < n:
                 if filled == 0:
-                    while self._due >= 2:  # the slot we are about to fill still holds chunk - 2
-                        self._token(_ACK, deadline)
-                        self._due -= 1
+                    self.settle(deadline, keep=1)  # the slot we are about to fill held chunk - 2
                 take = min(n - pos, size - filled)
                 slots[chunk & 1][filled:filled + take] = v[pos:pos + take]
                 filled += take

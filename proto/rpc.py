@@ -171,11 +171,14 @@ class TLSConfig:
             out[ENV_TLS_SERVER_NAME] = self.server_name
         return {k: os.path.abspath(v) if v and k != ENV_TLS_SERVER_NAME else v for k, v in out.items()}
 
-    def server_credentials(self) -> grpc.ServerCredentials:
+    def _check_server(self) -> None:
         if not self.cert:
             raise E.ConfigurationError("a TLS server needs a certificate and key (--tls-cert/--tls-key)")
         if self.require_client_cert and not self.ca:
             raise E.ConfigurationError("mutual TLS needs the CA that signs client certificates (--tls-ca)")
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        self._check_server()
         key, cert = _read_pem(self.key, "key"), _read_pem(self.cert, "certificate")
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=_read_pem(self.ca, "CA"), require_client_auth=self.require_client_cert
@@ -191,7 +194,7 @@ class TLSConfig:
     # The PS data plane (jaxdist.proto.bulk) speaks TLS with the same files through Python's ssl.
     def server_ssl_context(self) -> ssl.SSLContext:
         """An ``ssl`` server context with the same rules as :meth:`server_credentials`."""
-        self.server_credentials()  # same checks and errors (missing cert, mutual TLS without CA)
+        self._check_server()  # same checks and errors as server_credentials
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         # No session tickets: a pooled idle connection must never have unsolicited bytes to read.

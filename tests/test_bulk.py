@@ -323,6 +323,14 @@ def test_concurrent_pushes_through_one_client_are_exact(ps_server: ParameterServ
 
 
 @contextmanager
+def _echo_handler(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
+    """Answers with the request's header and its payload's bytes reversed."""
+    arr = np.empty(payload.nbytes, np.uint8)
+    payload.read_into([arr])
+    yield header, [arr[::-1].copy()]
+
+
+@contextmanager
 def _server(handlers: dict, **kw: object) -> Iterator[bulk.BulkServer]:
     s = bulk.BulkServer(handlers, token=TOKEN, **kw)  # type: ignore[arg-type]
     s.start()
@@ -356,13 +364,7 @@ def test_handler_bug_is_internal_and_server_survives() -> None:
         raise ZeroDivisionError("bug")
         yield b"", []  # pragma: no cover
 
-    @contextmanager
-    def echo(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
-        arr = np.empty(payload.nbytes, np.uint8)
-        payload.read_into([arr])
-        yield header, [arr[::-1].copy()]
-
-    with _server({bulk.PULL: broken, bulk.PUSH: echo}) as s:
+    with _server({bulk.PULL: broken, bulk.PUSH: _echo_handler}) as s:
         c = bulk.BulkClient("127.0.0.1", s.port, TOKEN)  # type: ignore[arg-type]
         with pytest.raises(bulk.BulkError) as e:
             c.call(bulk.PULL, b"h", (np.arange(5, dtype=np.uint8),), timeout=5)
@@ -412,17 +414,11 @@ def _echo_server(**kw: object) -> Iterator[bulk.BulkServer]:
     """PUSH echoes the payload back reversed; PULL fails with a typed error before reading it."""
 
     @contextmanager
-    def echo(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
-        arr = np.empty(payload.nbytes, np.uint8)
-        payload.read_into([arr])
-        yield header, [arr[::-1].copy()]
-
-    @contextmanager
     def refuse(header: bytes, payload: bulk.Payload) -> Iterator[tuple[bytes, list]]:
         raise ShapeMismatchError("refused before reading")
         yield b"", []  # pragma: no cover
 
-    with _server({bulk.PUSH: echo, bulk.PULL: refuse}, **kw) as s:
+    with _server({bulk.PUSH: _echo_handler, bulk.PULL: refuse}, **kw) as s:
         yield s
 
 
