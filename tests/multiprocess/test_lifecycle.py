@@ -18,7 +18,8 @@ from conftest import CREDS, TOKEN, poll_for
 
 import jaxdist
 from jaxdist.errors import PSUnavailableError
-from jaxdist.ps_server.client import CreateSpec, PSClient, PushSpec
+from jaxdist.proto.ps_wire import CreateSpec, Op, Update
+from jaxdist.ps_server.client import PSClient
 from jaxdist.base.task_process import ENV_PARENT_PID
 
 pytestmark = [pytest.mark.multiprocess]
@@ -46,7 +47,7 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
             acked: list[list[int]] = []
 
             def push(client: PSClient, uid: str) -> list[int]:
-                versions, dup = client.push([PushSpec("a", "assign_add", ones), PushSpec("b", "assign_add", ones)], update_id=uid)
+                versions, dup = client.push([Update("a", Op.ASSIGN_ADD, ones), Update("b", Op.ASSIGN_ADD, ones)], update_id=uid)
                 assert not dup
                 return versions
 
