@@ -57,7 +57,7 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
             # A push whose stream is open when SIGTERM arrives: header and the first frames now, the rest later.
             gate = threading.Event()
             slow_client = PSClient(address, CREDS, task="ps:0")
-            plain_stream = slow_client._stream
+            plain_stream = slow_client._frames
 
             def gated(header: Any, arrays: list[np.ndarray]) -> Iterator[bytes]:
                 frames = plain_stream(header, arrays)
@@ -66,7 +66,7 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
                 gate.wait(30)
                 yield from frames
 
-            slow_client._stream = gated  # type: ignore[method-assign]
+            slow_client._frames = gated  # type: ignore[method-assign]
             slow: dict[str, Any] = {}
 
             def run_slow() -> None:
