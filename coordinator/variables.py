@@ -303,15 +303,15 @@ def pull(tree: Any, dtype: Any = None) -> Any:
         if not isinstance(leaf, VariableOps):
             out.append(leaf)
             continue
-        full = next(full_of)
-        if full is None:
+        whole = next(full_of)
+        if whole is None:
             out.append(next(values))
             continue
         for shard, row in leaf.shards():
             part = next(values)
-            if not np.may_share_memory(part, full):
-                full[row:row + shard.shape[0]] = part  # the PS sent another shape/dtype than expected: copy (rare)
-        out.append(full)
+            if not np.may_share_memory(part, whole):
+                whole[row:row + shard.shape[0]] = part  # the PS sent another shape/dtype than expected: copy (rare)
+        out.append(whole)
     return jax.tree.unflatten(treedef, out)
 
 

@@ -148,9 +148,10 @@ class PSClient(ServiceClient):
         receive: Callable[[bytes], Sequence[np.ndarray]] | None = None,
     ) -> tuple[bytes, Sequence[np.ndarray]] | None:
         """One data-plane call; None when this client uses gRPC (the caller then does)."""
-        dp = self._data_plane()
-        if dp is None:
+        found = self._data_plane()
+        if found is None:
             return None
+        dp: dataplane.DataPlaneClient = found
         try:
             return dp.call(method, header, arrays, timeout, receive)
         except dataplane.DataPlaneError as e:

@@ -175,3 +175,33 @@ def test_narrow_pull_over_both_transports(ps_client: object) -> None:
     assert np.array_equal(rows, x[[7, 1]].astype(np.float16))
     with pytest.raises(InvalidRequestError):
         ps_client.pull([PullSpec("x", as_dtype=np.int8)])  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_apply_gradient_method_sends_bf16_like_apply_gradients() -> None:
+    """``v.apply_gradient(bf16)`` used to cast the gradient up to float32 before sending it; it now
+    sends what ``apply_gradients(v, bf16)`` sends: half the bytes, the same update on the PS."""
+    from jaxdist.testing import InProcessCluster
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            init = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+            with strategy.scope():
+                by_method = jaxdist.create_variable(init, name="by_method", optimizer=optax.sgd(0.1))
+                by_tree = jaxdist.create_variable(init, name="by_tree", optimizer=optax.sgd(0.1))
+            g = np.random.default_rng(3).normal(size=(64, 32)).astype(BF16)
+            counters = cluster.ps(0).servicer.counters
+
+            def pushed() -> float:
+                return counters.snapshot()["bytes_pushed"]
+
+            before = pushed()
+            by_method.apply_gradient(g)
+            mid = pushed()
+            jaxdist.apply_gradients(by_tree, g)
+            after = pushed()
+            assert mid - before == after - mid == g.nbytes  # bf16 on the wire both ways
+            np.testing.assert_array_equal(by_method.numpy(), by_tree.numpy())
+        finally:
+            strategy.close()

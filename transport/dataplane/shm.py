@@ -83,7 +83,7 @@ class Region:
         self._mm = mm
         self.slot_bytes = slot_bytes
         whole = np.frombuffer(mm, np.uint8)
-        self.slots = (whole[_SHM_HEAD:_SHM_HEAD + slot_bytes], whole[_SHM_HEAD + slot_bytes:_SHM_HEAD + 2 * slot_bytes])
+        self.slots: tuple[np.ndarray, ...] = (whole[_SHM_HEAD:_SHM_HEAD + slot_bytes], whole[_SHM_HEAD + slot_bytes:_SHM_HEAD + 2 * slot_bytes])
         del whole
 
     @staticmethod
