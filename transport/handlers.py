@@ -10,9 +10,11 @@ answers through the same guard).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from jaxdist.base import errors as E
 from jaxdist.proto import status
@@ -21,7 +23,7 @@ from jaxdist.transport.guard import guard
 __all__ = ["stream_in_handler", "stream_out_handler", "unary_handler"]
 
 
-def _serve(method: str, context: grpc.ServicerContext) -> Any:
+def _serve(method: str, context: grpc.ServicerContext) -> AbstractContextManager[None]:
     """The guard of one gRPC call: abort with the typed status."""
 
     def answer(exc: E.JaxdistError) -> None:
@@ -32,7 +34,7 @@ def _serve(method: str, context: grpc.ServicerContext) -> Any:
         # left (its abort has nobody to reach): nothing to answer.
         if isinstance(exc, grpc.RpcError):
             return True
-        return not isinstance(exc, E.JaxdistError) and context.is_active() is False
+        return not isinstance(exc, (E.JaxdistError, DecodeError)) and context.is_active() is False
 
     return guard(method, answer, reraise)
 

@@ -22,7 +22,7 @@ from jaxdist.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto import ps_pb2
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import make_channel
 from jaxdist.proto.status import REASON_KEY
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import PSClient
@@ -105,7 +105,7 @@ def test_bad_input_gets_typed_error_and_server_keeps_serving(ps_client: PSClient
 
 
 def _raw_channel(ps_server: ParameterServer) -> grpc.Channel:
-    return rpc.make_channel(ps_server.address)
+    return make_channel(ps_server.address)
 
 
 def test_garbage_bytes_and_truncated_streams(ps_server: ParameterServer, ps_client: PSClient) -> None:
@@ -137,7 +137,7 @@ def test_garbage_bytes_and_truncated_streams(ps_server: ParameterServer, ps_clie
 
 
 def test_oversized_message_is_resource_exhausted() -> None:
-    with ParameterServer(credentials=CREDS, max_message_bytes=1 << 20) as ps, rpc.make_channel(ps.address) as ch:
+    with ParameterServer(credentials=CREDS, max_message_bytes=1 << 20) as ps, make_channel(ps.address) as ch:
         lst = ch.unary_unary("/jaxdist.ParameterServer/ListVariables")
         with pytest.raises(grpc.RpcError) as info:
             lst(b"\0" * (2 << 20), metadata=CREDS.metadata, timeout=5)
