@@ -22,8 +22,8 @@ through, see ``reraise``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from types import TracebackType
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,23 +45,44 @@ def error_for(method: str, exc: Exception) -> E.JaxdistError:
     return E.RemoteError(f"{method}: {type(exc).__name__}: {exc}", code=grpc.StatusCode.INTERNAL)
 
 
-@contextmanager
-def guard(
-    method: str,
-    answer: Callable[[E.JaxdistError], object],
-    reraise: Callable[[Exception], bool] = lambda exc: False,
-) -> Iterator[None]:
-    """Serve one call of ``method`` inside this block; an exception is answered, never raised.
+class guard:  # noqa: N801 - used like a function: ``with guard(method, answer):``
+    """Serve one call of ``method`` inside this ``with`` block; an exception is answered, never raised.
 
     Args:
         method: the RPC's name, for messages and the log.
         answer: sends the caller the typed error (it may raise, as gRPC's abort does).
         reraise: exceptions it is true for propagate unanswered (the transport's own
             connection failures, a call the client already left).
+
+    A transport may subclass it and override :meth:`answer` and :meth:`reraise`
+    instead (one object per call, no closures: the gRPC handlers do).
     """
-    try:
-        yield
-    except Exception as exc:  # noqa: BLE001 - one bad call must not take the server down
-        if reraise(exc):
-            raise
-        answer(error_for(method, exc))
+
+    __slots__ = ("method", "_answer", "_reraise")
+
+    def __init__(
+        self,
+        method: str,
+        answer: Callable[[E.JaxdistError], object] | None = None,
+        reraise: Callable[[Exception], bool] | None = None,
+    ) -> None:
+        self.method = method
+        self._answer = answer
+        self._reraise = reraise
+
+    def answer(self, exc: E.JaxdistError) -> None:
+        assert self._answer is not None, "give answer= or override answer()"
+        self._answer(exc)
+
+    def reraise(self, exc: Exception) -> bool:
+        return self._reraise is not None and self._reraise(exc)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> bool:
+        # BaseExceptions (GeneratorExit of a cancelled stream, KeyboardInterrupt) are not answered.
+        if not isinstance(exc, Exception) or self.reraise(exc):
+            return False
+        self.answer(error_for(self.method, exc))
+        return True  # answered: the exception ends here

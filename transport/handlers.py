@@ -3,14 +3,13 @@
 Handlers are registered with raw-bytes (de)serializers: a request is parsed
 inside the handler, so garbage bytes become INVALID_ARGUMENT instead of an
 opaque INTERNAL, and any exception is answered by
-:func:`jaxdist.transport.guard.guard` with its typed status (the data plane
+:class:`jaxdist.transport.guard.guard` with its typed status (the data plane
 answers through the same guard).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -23,27 +22,31 @@ from jaxdist.transport.guard import guard
 __all__ = ["stream_in_handler", "stream_out_handler", "unary_handler"]
 
 
-def _serve(method: str, context: grpc.ServicerContext) -> AbstractContextManager[None]:
+class _Serve(guard):
     """The guard of one gRPC call: abort with the typed status."""
 
-    def answer(exc: E.JaxdistError) -> None:
-        status.abort(context, exc)
+    __slots__ = ("_context",)
 
-    def reraise(exc: Exception) -> bool:
+    def __init__(self, method: str, context: grpc.ServicerContext) -> None:
+        super().__init__(method)
+        self._context = context
+
+    def answer(self, exc: E.JaxdistError) -> None:
+        status.abort(self._context, exc)
+
+    def reraise(self, exc: Exception) -> bool:
         # An error of a call this handler made itself, or of a call whose client already
         # left (its abort has nobody to reach): nothing to answer.
         if isinstance(exc, grpc.RpcError):
             return True
-        return not isinstance(exc, (E.JaxdistError, DecodeError)) and context.is_active() is False
-
-    return guard(method, answer, reraise)
+        return not isinstance(exc, (E.JaxdistError, DecodeError)) and self._context.is_active() is False
 
 
 def unary_handler(method: str, parse: Callable[[bytes], Any], fn: Callable[[Any, grpc.ServicerContext], Any]) -> grpc.RpcMethodHandler:
     """Unary handler: ``parse(raw)`` then ``fn(request, context) -> message``."""
 
     def handle(raw: bytes, context: grpc.ServicerContext) -> bytes:
-        with _serve(method, context):
+        with _Serve(method, context):
             return fn(parse(raw), context).SerializeToString()
         raise AssertionError("unreachable")  # the guard answered by aborting, which raises
 
@@ -54,7 +57,7 @@ def stream_in_handler(method: str, fn: Callable[[Iterator[bytes], grpc.ServicerC
     """Client-streaming handler over raw frames; ``fn`` returns a message."""
 
     def handle(frames: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        with _serve(method, context):
+        with _Serve(method, context):
             return fn(frames, context).SerializeToString()
         raise AssertionError("unreachable")
 
@@ -65,7 +68,7 @@ def stream_out_handler(method: str, parse: Callable[[bytes], Any], fn: Callable[
     """Server-streaming handler; ``fn`` yields raw frames."""
 
     def handle(raw: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        with _serve(method, context):
+        with _Serve(method, context):
             yield from fn(parse(raw), context)
 
     return grpc.unary_stream_rpc_method_handler(handle)
