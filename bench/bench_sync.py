@@ -10,9 +10,14 @@ Figures (8 fake CPU devices in this process unless --devices says otherwise):
                              ms per all-reduce and all-reduces/s
   all_reduce_2proc           (unless --no-multiprocess) the same 16 MiB all-reduce between
                              2 processes x 1 device on loopback via MultiWorkerMirroredStrategy (gloo)
+  mlp_steps_per_execution    the same MLP written TF's way (mirrored variables, jaxdist.Optimizer),
+                             k steps per compiled call with strategy.run_steps (lax.scan) for
+                             k = 1 and k = --steps-per-execution (default 10), measured side by side:
+                             rounds alternate the two, each round runs the same number of steps
 
 Each figure is the median of --runs runs of --steps steps after a warm-up.
 Usage: python bench/bench_sync.py [--devices 8] [--runs 5] [--steps 10] [--no-multiprocess]
+                                  [--steps-per-execution 10] [--only steps_per_execution]
 """
 
 from __future__ import annotations
@@ -171,6 +176,83 @@ def bench_local(args: argparse.Namespace) -> None:
          all_reduces_per_s=round(rate, 2), runs=[round(x, 2) for x in rates])
 
 
+def bench_steps_per_execution(args: argparse.Namespace) -> None:
+    """k steps per compiled call (run_steps, lax.scan) against one step per call, side by side."""
+    import jax
+    import numpy as np
+    import optax
+
+    import jaxdist
+
+    gbs = args.global_batch
+    sizes = [784, 1024, 1024, 10]
+    keys = jax.random.split(jax.random.PRNGKey(0), len(sizes) - 1)
+    params0 = {
+        f"l{i}": {
+            "w": np.asarray(jax.random.normal(k, (a, b)) * (2.0 / a) ** 0.5, np.float32),
+            "b": np.zeros((b,), np.float32),
+        }
+        for i, (k, a, b) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+    }
+    rng = np.random.default_rng(0)
+    k_big = args.steps_per_execution
+    batches = [
+        (rng.normal(size=(gbs, 784)).astype(np.float32), rng.integers(0, 10, size=(gbs,)).astype(np.int32))
+        for _ in range(k_big)
+    ]
+
+    def per_example_loss(p: Any, x: Any, y: Any) -> Any:
+        h = x
+        for i in range(len(sizes) - 1):
+            h = h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"]
+            if i < len(sizes) - 2:
+                h = jax.nn.relu(h)
+        return optax.softmax_cross_entropy_with_integer_labels(h, y)
+
+    strategy = jaxdist.MirroredStrategy()
+    with strategy.scope():
+        params = jaxdist.create_variables(params0)
+        optimizer = jaxdist.Optimizer(optax.adam(1e-3))
+        optimizer.build(params)
+
+    def train_step(batch: Any) -> Any:
+        x, y = batch
+        loss, g = jax.value_and_grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, x, y), gbs))(
+            jaxdist.read_variables(params)
+        )
+        optimizer.apply(g, params)
+        return loss
+
+    dist = list(strategy.experimental_distribute_dataset(batches))  # already on the devices: input is not timed
+
+    def cycle() -> Any:
+        while True:
+            yield from dist
+
+    it = cycle()
+    steps_per_round = k_big * max(1, args.steps // k_big)
+
+    def run_round(k: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps_per_round // k):
+            out = strategy.run_steps(train_step, it, steps=k)
+        jax.block_until_ready(out)
+        return steps_per_round / (time.perf_counter() - t0)
+
+    for k in (1, k_big):  # compile both before timing
+        run_round(k)
+    rates: dict[int, list[float]] = {1: [], k_big: []}
+    for r in range(args.runs):
+        for k in ((1, k_big) if r % 2 == 0 else (k_big, 1)):
+            rates[k].append(run_round(k))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    for k in (1, k_big):
+        emit(bench="mlp_steps_per_execution", strategy="MirroredStrategy", replicas=strategy.num_replicas_in_sync,
+             platform=strategy.devices[0].platform, global_batch=gbs, k=k, steps_per_round=steps_per_round,
+             steps_per_s=round(med[k], 3), runs=[round(x, 3) for x in rates[k]], traces=strategy.trace_count)
+    emit(bench="mlp_steps_per_execution_ratio", k=k_big, ratio_k_over_1=round(med[k_big] / med[1], 3))
+
+
 def _child_allreduce(args: argparse.Namespace) -> None:
     import jaxdist.sync as sd
 
@@ -223,19 +305,26 @@ def bench_multiprocess(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--devices", type=int, default=8)
+    ap.add_argument("--devices", type=int, default=8, help="fake CPU devices (0: the real devices, e.g. a GPU)")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--global-batch", type=int, default=2048)
     ap.add_argument("--allreduce-mib", type=int, default=16)
     ap.add_argument("--no-multiprocess", action="store_true", help="skip the 2-process all-reduce")
+    ap.add_argument("--steps-per-execution", type=int, default=10, help="k of the steps-per-execution figure")
+    ap.add_argument("--only", choices=["steps_per_execution"], default=None, help="run one figure only")
     ap.add_argument("--child-allreduce", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child_allreduce:
         _child_allreduce(args)
         return
-    _set_device_count(args.devices)
+    if args.devices:
+        _set_device_count(args.devices)
+    if args.only == "steps_per_execution":
+        bench_steps_per_execution(args)
+        return
     bench_local(args)
+    bench_steps_per_execution(args)
     if not args.no_multiprocess:
         bench_multiprocess(args)
 

@@ -12,15 +12,28 @@ Workloads (a LocalCluster of real processes on loopback: --workers workers, --ps
   mlp    MLP 784-1024-1024-10, batch 256, SGD applied on the PS,
          one step = pull params, grad on the worker, push grads   -> mlp_steps_per_s
   all    the four above in one cluster ("system": "jaxdist")
+  mlp_phases  profiling only (not in "all"): the MLP step timed phase by phase inside the
+         closures (pull, gradient, push; median ms per step)     -> mlp_phase_ms
 and the references, measured by ``bench_ps.py``'s own code ("system": "reference"):
   raw        a plain gRPC server process: 64 MB streamed in 4 MB chunks down/up, tiny unary
              calls sequential / 16 concurrent (raw_grpc_*)
   plain_jax  the same MLP in this one process with jax + optax (plain_jax_mlp_steps_per_s)
   references both of them
 
+--size-mb N makes the pull/push variable N MB instead of 64 (workloads pull_<N>MB_MBps, push_<N>MB_MBps).
+
+Given cluster: with --given-cluster no LocalCluster is started; this script is the coordinator of
+the cluster that ``jaxdist.cluster_resolver.detect()`` finds (``JAXDIST_CLUSTER`` and
+``JAXDIST_TOKEN`` as ``jaxdist launch`` exports them, or TF_CONFIG, or Slurm), e.g. ``jaxdist ps``
+and ``jaxdist worker`` processes on other hosts (``bench/netbench.py`` starts them in network
+namespaces). --workers and --ps are then the cluster's, and after the pull/push workloads one
+``"kind": "transport"`` line says how each worker and this coordinator really reached each PS
+(data plane or gRPC, shared memory or socket). Leaving the script ends the job
+(``coordinator.shutdown()``): the tasks exit.
+
 Every figure is the median of --repeats runs; ``runs`` lists them. The first line is an info line.
 Usage: python bench/jaxdist_workloads.py --workload all [--repeats 3] [--workers 2] [--mlp-steps 200]
-       [--grad-dtype float32|bfloat16]
+       [--grad-dtype float32|bfloat16] [--size-mb 64] [--given-cluster]
 """
 
 from __future__ import annotations
@@ -52,8 +65,9 @@ if __name__ != "__main__":
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 JAXDIST_WORKLOADS = ("noop", "pull", "push", "mlp")
+PROFILE_WORKLOADS = ("mlp_phases",)  # not part of "all"
 REFERENCE_WORKLOADS = ("raw", "plain_jax")
-WORKLOAD_CHOICES = (*JAXDIST_WORKLOADS, "all", *REFERENCE_WORKLOADS, "references")
+WORKLOAD_CHOICES = (*JAXDIST_WORKLOADS, "all", *PROFILE_WORKLOADS, *REFERENCE_WORKLOADS, "references")
 BATCH = 256
 
 
@@ -178,17 +192,61 @@ def _make_train_step(params: Any, transfer_dtype: Any, pull_dtype: Any = None) -
     return train_step
 
 
+def _make_phased_train_step(params: Any) -> Any:
+    """``_make_train_step`` (float32) timed phase by phase on the worker: (pull, grad, push) seconds."""
+    import jax
+
+    import jaxdist
+
+    grad_fn = jax.jit(lambda p, x, y: jax.grad(mlp_loss)(p, x, y))
+
+    def train_step(it: Any) -> tuple[float, float, float]:
+        import time as _t
+
+        x, y = next(it)
+        t0 = _t.perf_counter()
+        p = jaxdist.pull(params)
+        t1 = _t.perf_counter()
+        g = jax.block_until_ready(grad_fn(p, x, y))
+        t2 = _t.perf_counter()
+        jaxdist.apply_gradients(params, g)
+        return t1 - t0, t2 - t1, _t.perf_counter() - t2
+
+    return train_step
+
+
+def _transport_probe() -> dict[str, Any]:
+    """On a worker: how its PS clients move tensors (after they were used)."""
+    import jaxdist
+    from jaxdist.worker.context import current_ps
+
+    return {"worker": jaxdist.current_worker_index(), "ps": _client_transports(current_ps())}
+
+
+def _client_transports(conns: Any) -> list[str]:
+    """Per PS: "shm" (data plane through shared memory), "tcp" (data plane socket), "grpc" or "unused"."""
+    out = []
+    for c in conns.clients:
+        dp = c.uses_data_plane
+        out.append("unused" if dp is None else "grpc" if not dp else "shm" if c.uses_shared_memory else "tcp")
+    return out
+
+
 # ------------------------------------------------------------ the cluster
 class JaxdistBench:
     """A LocalCluster + ParameterServerStrategy + ClusterCoordinator with one method per workload.
 
-    A context manager: leaving it shuts the coordinator down and stops every task process.
+    ``given=True``: no LocalCluster; the cluster is the running one that
+    ``jaxdist.cluster_resolver.detect()`` finds, and ``workers``/``ps`` are read from it.
+    A context manager: leaving it shuts the coordinator down (ending the job) and stops every task
+    process it started.
     """
 
-    def __init__(self, workers: int = 2, ps: int = 2, shards: int | None = None) -> None:
+    def __init__(self, workers: int = 2, ps: int = 2, shards: int | None = None, given: bool = False) -> None:
         self.workers = workers
         self.ps = ps
-        self.shards = shards or ps
+        self.shards = shards
+        self.given = given
         self._stack = contextlib.ExitStack()
         self._n = 0
 
@@ -196,9 +254,18 @@ class JaxdistBench:
         import jaxdist
 
         try:
-            self.cluster = self._stack.enter_context(jaxdist.LocalCluster(num_workers=self.workers, num_ps=self.ps))
+            if self.given:
+                from jaxdist.cluster_resolver import detect
+
+                resolver = detect()
+                spec = resolver.cluster_spec().as_dict()
+                self.workers, self.ps = len(spec.get("worker", [])), len(spec.get("ps", []))
+            else:
+                self.cluster = self._stack.enter_context(jaxdist.LocalCluster(num_workers=self.workers, num_ps=self.ps))
+                resolver = self.cluster.cluster_resolver()
+            self.shards = self.shards or self.ps
             self.strategy = jaxdist.ParameterServerStrategy(
-                self.cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(self.shards)
+                resolver, variable_partitioner=jaxdist.FixedShardsPartitioner(self.shards)
             )
             self._stack.callback(self.strategy.close)
             self.coord = jaxdist.ClusterCoordinator(self.strategy)
@@ -259,6 +326,7 @@ class JaxdistBench:
         transfer_dtype = _transfer_dtype(grad_dtype)
         with self.strategy.scope():
             params = jaxdist.create_variables(mlp_init(), name=self._name("mlp"), optimizer=optax.sgd(0.01))
+        self._params = params
         self._train_step = _make_train_step(params, transfer_dtype, _transfer_dtype(pull_dtype))
         self._it = iter(self.coord.create_per_worker_dataset(_mlp_dataset_fn))
         for _ in range(2 * self.workers):  # warm: jit on every worker
@@ -272,6 +340,35 @@ class JaxdistBench:
         self.coord.join()
         return steps / (time.perf_counter() - t)
 
+    def mlp_phases(self, steps: int) -> dict[str, Any]:
+        """``steps`` phase-timed MLP steps (after ``mlp_setup``): steps/s and median ms per phase."""
+        step = _make_phased_train_step(self._params)
+        for _ in range(2 * self.workers):  # warm: jit of the phased function on every worker
+            self.coord.schedule(step, args=(self._it,))
+        self.coord.join()
+        t = time.perf_counter()
+        rvs = [self.coord.schedule(step, args=(self._it,)) for _ in range(steps)]
+        self.coord.join()
+        rate = steps / (time.perf_counter() - t)
+        phases = np.array([rv.fetch() for rv in rvs]) * 1e3
+        med = np.median(phases, axis=0)
+        return {"steps_per_s": round(rate, 2), "pull_ms": round(float(med[0]), 2), "grad_ms": round(float(med[1]), 2),
+                "push_ms": round(float(med[2]), 2), "step_ms": round(float(np.median(phases.sum(axis=1))), 2),
+                "pull_ms_p90": round(float(np.percentile(phases[:, 0], 90)), 2),
+                "push_ms_p90": round(float(np.percentile(phases[:, 2], 90)), 2)}
+
+    def transports(self) -> dict[str, Any]:
+        """How each worker (one probe closure per worker and then some) and this coordinator reach each PS."""
+        rvs = [self.coord.schedule(_transport_probe) for _ in range(4 * self.workers)]
+        self.coord.join()
+        seen = {}
+        for rv in rvs:
+            r = rv.fetch()
+            seen[f"worker:{r['worker']}"] = r["ps"]
+        coordinator = _client_transports(self.strategy.connections)
+        used = sorted({t for ts in [*seen.values(), coordinator] for t in ts} - {"unused"})
+        return {"workers": dict(sorted(seen.items())), "coordinator": coordinator, "used": used}
+
 
 def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
     vals = [fn() for _ in range(repeats)]
@@ -279,27 +376,38 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
 
 
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
-                grad_dtype: str, pull_dtype: str = "float32") -> None:
-    common = {"system": "jaxdist", "workers": workers, "ps": ps, "transport": tensor_transport()}
+                grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False) -> None:
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
-    with JaxdistBench(workers=workers, ps=ps) as b:
+    with JaxdistBench(workers=workers, ps=ps, given=given) as b:
+        common = {"system": "jaxdist", "workers": b.workers, "ps": b.ps, "transport": tensor_transport()}
+        if given:
+            common["cluster"] = "given"
         if "noop" in workloads:
             b.noop_rate(max(1, noop_closures // 5))  # warm
             emit(**common, workload="noop_closures_per_s", closures=noop_closures,
                  **_runs(lambda: b.noop_rate(noop_closures), repeats))
         if "pull" in workloads or "push" in workloads:
-            var = b.variable(64)
+            var = b.variable(size_mb)
             for kind in ("pull", "push"):
                 if kind in workloads:
-                    b.transfer_rate(kind, var, 64)  # one untimed warm-up run, as tf_workloads.py does
-                    emit(**common, workload=f"{kind}_64MB_MBps", shards=b.shards,
-                         **_runs(lambda kind=kind: b.transfer_rate(kind, var, 64), repeats))
-        if "mlp" in workloads:
+                    b.transfer_rate(kind, var, size_mb)  # one untimed warm-up run, as tf_workloads.py does
+                    emit(**common, workload=f"{kind}_{size_mb}MB_MBps", shards=b.shards,
+                         **_runs(lambda kind=kind: b.transfer_rate(kind, var, size_mb), repeats))
+            if given:
+                emit(system="jaxdist", kind="transport", **b.transports())
+        if "mlp" in workloads or "mlp_phases" in workloads:
             b.mlp_setup(grad_dtype, pull_dtype)
+        if "mlp" in workloads:
             extra = {} if pull_dtype == "float32" else {"pull_dtype": pull_dtype}
             emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype, **extra,
                  **_runs(lambda: b.mlp_rate(mlp_steps), repeats, 2))
+        if "mlp_phases" in workloads:
+            runs = [b.mlp_phases(mlp_steps) for _ in range(repeats)]
+            best = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]  # the median run by steps/s
+            emit(**common, workload="mlp_phase_ms", batch=BATCH, steps=mlp_steps, **best, runs=runs)
+            if given and "pull" not in workloads and "push" not in workloads:
+                emit(system="jaxdist", kind="transport", **b.transports())
 
 
 def _capture(fn: Any, *args: Any) -> tuple[Any, list[dict[str, Any]]]:
@@ -343,6 +451,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype the MLP's gradients travel in (bfloat16 needs apply_gradients(transfer_dtype=))")
     ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype the MLP's parameters are pulled in (bfloat16: mixed precision, jaxdist.pull(dtype=))")
+    ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
+    ap.add_argument("--given-cluster", action="store_true",
+                    help="coordinate the running cluster jaxdist.cluster_resolver.detect() finds (JAXDIST_CLUSTER + "
+                         "JAXDIST_TOKEN, TF_CONFIG, Slurm) instead of starting a LocalCluster; --workers/--ps are ignored")
     args = ap.parse_args(argv)
 
     import jax
@@ -354,10 +466,10 @@ def main(argv: list[str] | None = None) -> int:
          python=sys.version.split()[0], cpus=os.cpu_count(), machine=os.uname().nodename,
          transfer_dtype_supported=transfer_dtype_supported())
     try:
-        jd = [w for w in workloads if w in JAXDIST_WORKLOADS]
+        jd = [w for w in workloads if w in JAXDIST_WORKLOADS or w in PROFILE_WORKLOADS]
         if jd:
             run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
-                        args.pull_dtype)
+                        args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

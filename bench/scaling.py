@@ -105,7 +105,7 @@ def run_jaxdist(cfg: dict[str, Any], repeats: int) -> dict[str, list[dict[str, A
             if w in cfg["noop_workers"]:
                 n = cfg["noop_closures"]
                 b.noop_rate(max(1, n // 5))  # warm
-                point = {"workers": w, "closures": n, **_median_runs(lambda: b.noop_rate(n), repeats, 1)}
+                point = {"workers": w, "closures": n, **_median_runs(lambda n=n: b.noop_rate(n), repeats, 1)}
                 res["noop"].append(point)
                 emit(panel="noop", system="jaxdist", workload="noop_closures_per_s", ps=2, **point)
             if w == 1:
@@ -121,7 +121,7 @@ def run_jaxdist(cfg: dict[str, Any], repeats: int) -> dict[str, list[dict[str, A
             if w in cfg["mlp_workers"]:
                 b.mlp_setup("float32")
                 steps = cfg["mlp_steps"]
-                point = {"workers": w, "steps": steps, **_median_runs(lambda: b.mlp_rate(steps), repeats, 2)}
+                point = {"workers": w, "steps": steps, **_median_runs(lambda steps=steps: b.mlp_rate(steps), repeats, 2)}
                 res["mlp"].append(point)
                 emit(panel="mlp", system="jaxdist", workload="mlp_steps_per_s", ps=2, batch=256, **point)
         emit(cluster_workers=w, startup_s=round(startup, 1), total_s=round(time.monotonic() - t0, 1))

@@ -50,6 +50,15 @@ For pull/push each closure also measures its own duration on the worker (``tf.ti
 the first and after the last transfer), the way bench_ps.py times jaxdist's pull/push; that
 figure is reported as ``median_in_closure`` (MB/s = workers * k * 64 / slowest closure).
 
+``--size-mb N`` makes the pull/push variable N MB instead of 64 (workloads ``pull_<N>MB_MBps``,
+``push_<N>MB_MBps``).
+
+Given cluster: ``--cluster-json JSON`` (or ``@file``), a cluster spec ``{"chief": [addr], "worker":
+[...], "ps": [2 addrs]}``, makes this process the chief of ``tf.distribute.Server`` tasks that already
+run at those addresses (e.g. on other hosts: ``bench/netbench.py`` starts them in network namespaces
+with :func:`server_command` / :func:`server_env`) instead of starting its own on loopback; the chief
+address is this process's own (TF's coordinator serves on it). --workers is then the spec's.
+
 ``--check`` additionally prints sanity figures showing that the bytes really move: pull MB/s for a
 4x smaller variable (same MB/s: time scales with bytes), pull with each shard reduced on its own
 PS (only scalars travel: many times faster), push with each shard's delta made on its own PS
@@ -106,6 +115,22 @@ _SERVER_CODE = textwrap.dedent(
 )
 
 
+def server_command(python: str) -> list[str]:
+    """argv of one ``tf.distribute.Server`` process (see ``_SERVER_CODE``): it prints READY once
+    listening and exits when its stdin reaches EOF; give it :func:`server_env`."""
+    return [python, "-c", _SERVER_CODE]
+
+
+def server_env(base: dict[str, str], cluster: dict[str, list[str]], job: str, index: int, parent_pid: int) -> dict[str, str]:
+    """Environment of the server for task ``job:index`` of ``cluster``, started by process ``parent_pid``."""
+    env = dict(base)
+    env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": job, "index": index}})
+    env["TF_BENCH_PARENT_PID"] = str(parent_pid)
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
 def emit(**kv: Any) -> None:
     print(json.dumps(kv), flush=True)
 
@@ -142,14 +167,10 @@ class LocalTFCluster:
         tasks = [("ps", i) for i in range(len(self.cluster["ps"]))]
         tasks += [("worker", i) for i in range(len(self.cluster["worker"]))]
         for job, idx in tasks:
-            env = dict(os.environ)
-            env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": job, "index": idx}})
-            env["TF_BENCH_PARENT_PID"] = str(os.getpid())
-            env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-            env["CUDA_VISIBLE_DEVICES"] = ""
+            env = server_env(dict(os.environ), self.cluster, job, idx, os.getpid())
             name = f"{job}{idx}"
             with open(self._log_path(name), "w") as log:  # the child keeps its own copy of the fd
-                proc = subprocess.Popen([sys.executable, "-c", _SERVER_CODE], env=env, text=True,
+                proc = subprocess.Popen(server_command(sys.executable), env=env, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log)
             self.procs.append((name, proc))
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
@@ -333,14 +354,15 @@ def bench_transfer(tf: Any, coord: Any, fn: Any, args: tuple[Any, ...], workers:
 
 
 def bench_pull_push(tf: Any, strategy: Any, coord: Any, which: list[str], workers: int, k: int, repeats: int,
-                    check: bool) -> None:
-    n = 16 * MB  # 16M float32 = 64 MB
+                    check: bool, size_mb: int = 64) -> None:
+    n = size_mb * MB // 4  # float32 elements: 16M = 64 MB
+    mb = float(size_mb)
     var = make_big_variable(tf, strategy, n, "big")
     common = {"workers": workers, "ps": NUM_PS, "k_per_closure": k,
               "timing": "schedule(1 closure per worker)+join, after 1 warm-up"}
     if "pull" in which:
-        res = bench_transfer(tf, coord, make_pull_fn(tf, var, k), (), workers, k, 64, repeats)
-        emit(system="tf", workload="pull_64MB_MBps", **common, **res)
+        res = bench_transfer(tf, coord, make_pull_fn(tf, var, k), (), workers, k, mb, repeats)
+        emit(system="tf", workload=f"pull_{size_mb}MB_MBps", **common, **res)
         if check:
             small = make_big_variable(tf, strategy, n // 4, "small")
             res_s = bench_transfer(tf, coord, make_pull_fn(tf, small, k), (), workers, k, 16, repeats)
@@ -351,8 +373,8 @@ def bench_pull_push(tf: Any, strategy: Any, coord: Any, which: list[str], worker
                  note="each shard summed on its own PS (only scalars move): should be much higher")
     if "push" in which:
         x = tf.constant(1.0)
-        res = bench_transfer(tf, coord, make_push_fn(tf, var, k), (x,), workers, k, 64, repeats)
-        emit(system="tf", workload="push_64MB_MBps", **common, **res)
+        res = bench_transfer(tf, coord, make_push_fn(tf, var, k), (x,), workers, k, mb, repeats)
+        emit(system="tf", workload=f"push_{size_mb}MB_MBps", **common, **res)
         if check:
             # every push call adds sum(1 + i for i < k) to each element, one call per worker per run
             calls = workers * (repeats + 1)
@@ -447,7 +469,21 @@ def main() -> None:
     ap.add_argument("--noop-closures", type=int, default=5000)
     ap.add_argument("--k", type=int, default=3, help="64 MB reads / assign_adds per pull / push closure")
     ap.add_argument("--check", action="store_true", help="also print the data-movement sanity figures")
+    ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
+    ap.add_argument("--cluster-json", default=None, metavar="JSON|@FILE",
+                    help='use running servers: {"chief": [this process], "worker": [...], "ps": [2 addresses]} '
+                         "instead of starting a loopback cluster (--workers is then the spec's)")
     args = ap.parse_args()
+    given = None
+    if args.cluster_json is not None:
+        text = args.cluster_json
+        if text.startswith("@"):
+            with open(text[1:]) as f:
+                text = f.read()
+        given = json.loads(text)
+        if len(given.get("chief", [])) != 1 or not given.get("worker") or len(given.get("ps", [])) != NUM_PS:
+            ap.error(f"--cluster-json needs one chief, at least one worker and {NUM_PS} ps addresses: {given}")
+        args.workers = len(given["worker"])
     which = ["noop", "pull", "push", "mlp"] if args.workload == "all" else [args.workload]
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -459,12 +495,13 @@ def main() -> None:
     import tensorflow as tf
 
     emit(system="tf", tf_version=tf.__version__, cpus=os.cpu_count(), python=sys.version.split()[0])
-    cluster = LocalTFCluster(args.workers)
+    cluster = LocalTFCluster(args.workers) if given is None else None
     rc = 1
     try:
-        cluster.start()
+        if cluster is not None:
+            cluster.start()
         resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(cluster.cluster), task_type="chief", task_id=0, rpc_layer="grpc")
+            tf.train.ClusterSpec(given or cluster.cluster), task_type="chief", task_id=0, rpc_layer="grpc")
         strategy = tf.distribute.ParameterServerStrategy(
             resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(NUM_PS))
         coord = tf.distribute.coordinator.ClusterCoordinator(strategy)
@@ -474,7 +511,7 @@ def main() -> None:
             emit(system="tf", workload="noop_closures_per_s", workers=args.workers, ps=NUM_PS, **res,
                  timing="schedule(closures)+join, after 1 warm-up run")
         if "pull" in which or "push" in which:
-            bench_pull_push(tf, strategy, coord, which, args.workers, args.k, args.repeats, args.check)
+            bench_pull_push(tf, strategy, coord, which, args.workers, args.k, args.repeats, args.check, args.size_mb)
         if "mlp" in which:
             bench_mlp(tf, strategy, coord, args.workers, args.mlp_steps, args.repeats)
         coord.join()
@@ -488,7 +525,8 @@ def main() -> None:
         traceback.print_exc()
         rc = 1
     finally:
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
         # The coordinator's background threads keep retrying once the servers are gone and can
         # block the interpreter's teardown, so leave without it (the servers are already stopped).
         sys.stdout.flush()

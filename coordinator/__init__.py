@@ -6,7 +6,7 @@ on gRPC, and synchronous strategies on XLA collectives.
 
 from __future__ import annotations
 
-from jaxdist import cluster_resolver, errors
+from jaxdist import cluster_resolver, errors, metrics
 from jaxdist.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from jaxdist.cluster_coordinator import (
     ClusterCoordinator,
@@ -20,6 +20,7 @@ from jaxdist.cluster_resolver import (
     ClusterSpec,
     SimpleClusterResolver,
     TFConfigClusterResolver,
+    TPUClusterResolver,
 )
 from jaxdist.base.errors import (
     CancelledError,
@@ -41,16 +42,37 @@ from jaxdist.sharded_variable import ShardedVariable, embedding_lookup
 from jaxdist.strategy import ParameterServerStrategy, create_variable, create_variables
 from jaxdist.sync import (
     CentralStorageStrategy,
+    CollectiveCommunication,
+    CommunicationImplementation,
+    CommunicationOptions,
+    CrossDeviceOps,
+    DeviceAssignment,
+    HierarchicalCopyAllReduce,
+    InputOptions,
+    InputReplicationMode,
     MirroredStrategy,
     MultiWorkerMirroredStrategy,
+    NcclAllReduce,
     OneDeviceStrategy,
+    Optimizer,
     PerReplica,
     ReduceOp,
+    ReductionToOneDevice,
     ReplicaContext,
+    SyncVariable,
     TPUStrategy,
+    Topology,
+    VariableAggregation,
+    VariableSynchronization,
+    assign_variables,
     compute_average_loss,
+    experimental_connect_to_cluster,
+    function,
     get_replica_context,
     get_strategy,
+    in_cross_replica_context,
+    initialize_tpu_system,
+    read_variables,
     scale_regularization_loss,
 )
 from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull
@@ -59,6 +81,29 @@ from jaxdist.worker.context import current_worker_index
 __version__ = "0.1.0"
 
 __all__ = [
+    "CollectiveCommunication",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "CrossDeviceOps",
+    "DeviceAssignment",
+    "HierarchicalCopyAllReduce",
+    "InputOptions",
+    "InputReplicationMode",
+    "NcclAllReduce",
+    "Optimizer",
+    "ReductionToOneDevice",
+    "SyncVariable",
+    "TPUClusterResolver",
+    "Topology",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "assign_variables",
+    "experimental_connect_to_cluster",
+    "function",
+    "in_cross_replica_context",
+    "initialize_tpu_system",
+    "metrics",
+    "read_variables",
     "CancelledError",
     "CentralStorageStrategy",
     "MirroredStrategy",

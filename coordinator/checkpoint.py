@@ -7,8 +7,8 @@ A checkpoint is a directory::
                          files with sha256, data ledger, user metadata
       ps-0.npz, ps-1.npz one numpy archive per PS task, written by that PS
 
-**Consistency.** :meth:`Checkpoint.save` pauses the coordinator (no new
-closure starts; running ones finish), then every PS snapshots all its
+**Consistency.** :meth:`Checkpoint.save` pauses the coordinator
+(:meth:`ClusterCoordinator.paused`: no new closure starts; running ones finish), then every PS snapshots all its
 variables under their locks, in parallel. No push is half in a checkpoint,
 and the variables of all PS tasks come from one quiet point of training.
 
@@ -30,6 +30,7 @@ one machine; the files are plain ``.npz`` (``numpy.load`` reads them).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -38,8 +39,9 @@ import shutil
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -47,7 +49,15 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
+from jaxdist.ps_server.client import PSClient
+from jaxdist.sync import checkpointing as sync_ckpt
 from jaxdist.variables import _dtype
+
+if TYPE_CHECKING:
+    from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
+    from jaxdist.cluster_coordinator.datasets import DataLedger
+    from jaxdist.strategy import ParameterServerStrategy
+    from jaxdist.sync.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -85,31 +95,36 @@ def _read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-@dataclass
-class _Quiet:
-    """Pause the coordinator's dispatch for the duration of a save/restore.
+@contextmanager
+def _quiet(coordinator: ClusterCoordinator | None, timeout: float | None = None) -> Iterator[None]:
+    """Pause ``coordinator``'s dispatch for the duration of a save/restore.
 
     ``timeout`` bounds the wait for running closures (None: wait for all).
     """
+    if coordinator is None:
+        yield
+        return
+    with coordinator.paused(timeout) as quiet:
+        if not quiet:
+            logger.warning("closures still running after %.0fs; going on without a quiet point", timeout)
+        yield
 
-    coordinator: Any
-    timeout: float | None = None
 
-    def __enter__(self) -> None:
-        if self.coordinator is not None:
-            if not self.coordinator._queue.pause(self.timeout):
-                logger.warning("closures still running after %.0fs; going on without a quiet point", self.timeout)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.coordinator is not None:
-            self.coordinator._queue.resume()
+def _coordinator_of(strategy: ParameterServerStrategy | Strategy | None) -> ClusterCoordinator | None:
+    """The live ClusterCoordinator of a ParameterServerStrategy (synchronous strategies have none)."""
+    if strategy is None or sync_ckpt.is_sync_strategy(strategy):
+        return None
+    return strategy.coordinator  # type: ignore[union-attr]
 
 
 class Checkpoint:
     """Saves and restores every variable of ``strategy`` (and their optimizer states).
 
     Args:
-        strategy: the ParameterServerStrategy whose variables to save.
+        strategy: the strategy whose variables to save: a ParameterServerStrategy
+            (each PS writes its own file), any synchronous strategy, or None for
+            variables of the default strategy (see :mod:`jaxdist.sync.checkpointing`).
+            Every strategy writes the same format, so checkpoints move between them.
         coordinator: its ClusterCoordinator, paused during save/restore so the
             snapshot is one quiet point of training (default: the strategy's).
         ledger: a ``DataLedger`` (exactly-once data) saved and restored with it.
@@ -119,16 +134,32 @@ class Checkpoint:
         metadata: any JSON-serialisable dict, saved and restored.
     """
 
-    def __init__(self, strategy: Any, coordinator: Any = None, ledger: Any = None) -> None:
+    def __init__(
+        self,
+        strategy: ParameterServerStrategy | Strategy | None = None,
+        coordinator: ClusterCoordinator | None = None,
+        ledger: DataLedger | None = None,
+    ) -> None:
         self.strategy = strategy
-        self.coordinator = coordinator if coordinator is not None else getattr(strategy, "_coordinator", None)
+        self.coordinator = coordinator if coordinator is not None else _coordinator_of(strategy)
         self.ledger = ledger
         self.step = 0
         self.metadata: dict[str, Any] = {}
 
+    def _pausing(self) -> ClusterCoordinator | None:
+        # A coordinator made after this Checkpoint is paused too.
+        return self.coordinator if self.coordinator is not None else _coordinator_of(self.strategy)
+
+    def _ps_strategy(self) -> ParameterServerStrategy:
+        # Only called on the PS paths: save/restore hand synchronous strategies to their own writer first.
+        return cast("ParameterServerStrategy", self.strategy)
+
     # -------------------------------------------------------------------- save
     def save(self, path: str) -> str:
         """Write a checkpoint directory at ``path`` (must not exist); returns ``path``."""
+        if sync_ckpt.is_sync_strategy(self.strategy):  # Mirrored, TPU, ..., default: same format, own writer
+            return sync_ckpt.save(self, path)
+        strategy = self._ps_strategy()
         path = os.path.abspath(path)
         if os.path.exists(path):
             raise FileExistsError(f"checkpoint {path} already exists")
@@ -136,17 +167,17 @@ class Checkpoint:
         os.makedirs(parent, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         os.makedirs(tmp)
-        conns = self.strategy.connections
+        conns = strategy.connections
         t0 = time.perf_counter()
         try:
-            with _Quiet(self.coordinator):
-                results = conns.fan_out({i: (lambda c, i=i: c.save(tmp, f"ps-{i}.npz")) for i in range(len(conns.clients))})
+            with _quiet(self._pausing()):
+                results = conns.fan_out({i: functools.partial(_save_on, tmp, f"ps-{i}.npz") for i in range(len(conns.clients))})
                 ledger_state = self.ledger.state() if self.ledger is not None else None
             files = {r.file_name: {"sha256": r.sha256, "bytes": r.bytes} for r in results.values()}
             # Keyed by (PS task, name): a PS may still hold a stale variable of the same name.
             where = {(i, sv.name): (r.file_name, sv.optimizer_leaves) for i, r in results.items() for sv in r.variables}
             variables = {}
-            for name, var in self.strategy.variables.items():
+            for name, var in strategy.variables.items():
                 shards = []
                 for shard, row in var.shards():
                     if (shard.ps_index, shard.name) not in where:
@@ -191,13 +222,18 @@ class Checkpoint:
         Raises:
             ConfigurationError: the checkpoint lacks a variable, or shapes differ.
         """
+        if sync_ckpt.is_sync_strategy(self.strategy):
+            if ps_tasks is not None or quiesce_timeout is not None:
+                raise ConfigurationError("restore(ps_tasks=, quiesce_timeout=) apply to ParameterServerStrategy only")
+            return sync_ckpt.restore(self, path, variables)
+        strategy = self._ps_strategy()
         manifest = _read_manifest(path)
         files = manifest["files"]
-        names = variables if variables is not None else list(self.strategy.variables)
+        names = variables if variables is not None else list(strategy.variables)
         by_ps: dict[int, ps_pb2.RestoreRequest] = defaultdict(lambda: ps_pb2.RestoreRequest(directory=path))
         payloads: dict[int, tuple[bytes, str]] = {}  # one pickle per optimizer object, not per shard
         for name in names:
-            var = self.strategy.variables[name]
+            var = strategy.variables[name]
             saved = manifest["variables"].get(name)
             if saved is None:
                 raise ConfigurationError(f"checkpoint {path} has no variable {name!r}")
@@ -211,7 +247,7 @@ class Checkpoint:
                 req = by_ps[shard.ps_index]
                 e = req.entries.add(name=shard.name, with_optimizer_state=True)
                 codec.spec_to_proto(shard.shape, shard.dtype, e.spec)
-                opt = self.strategy.optimizers.get(shard.name)
+                opt = strategy.optimizers.get(shard.name)
                 if opt is not None:
                     if id(opt) not in payloads:
                         payloads[id(opt)] = optimizer_payload(opt)
@@ -219,17 +255,22 @@ class Checkpoint:
                 for piece in _pieces(saved, row, shard.shape[0] if shard.shape else 0, bool(shard.shape)):
                     e.pieces.add(file=piece[0], source=piece[1], src_start=piece[2], src_stop=piece[3], dst_start=piece[4],
                                  sha256=files[piece[0]]["sha256"])
-        conns = self.strategy.connections
-        with _Quiet(self.coordinator, quiesce_timeout):
-            conns.fan_out({ps: (lambda c, r=req: c.restore(r)) for ps, req in by_ps.items()})
+        conns = strategy.connections
+        with _quiet(self._pausing(), quiesce_timeout):
+            conns.fan_out({ps: functools.partial(_restore_on, req) for ps, req in by_ps.items()})
             if self.ledger is not None and manifest.get("ledger") is not None and ps_tasks is None:
-                from jaxdist.cluster_coordinator import DataLedger
-
-                restored = DataLedger.from_state(manifest["ledger"])
-                self.ledger.__dict__.update({k: v for k, v in restored.__dict__.items() if k != "_lock"})
+                self.ledger.load_state(manifest["ledger"])
         if ps_tasks is None:
             self.step = manifest["step"]
             self.metadata = dict(manifest.get("metadata") or {})
+
+
+def _save_on(directory: str, file_name: str, client: PSClient) -> ps_pb2.SaveResponse:
+    return client.save(directory, file_name)
+
+
+def _restore_on(req: ps_pb2.RestoreRequest, client: PSClient) -> int:
+    return client.restore(req)
 
 
 def _dtype_name(dt: np.dtype) -> str:

@@ -70,6 +70,7 @@ class _Task:
     proc: subprocess.Popen[bytes] | None = None
     log_path: str = ""
     log_file: IO[bytes] | None = field(default=None, repr=False)
+    reader: threading.Thread | None = field(default=None, repr=False)  # reads the ready line, then to EOF
     extra_args: list[str] = field(default_factory=list)
 
     @property
@@ -198,9 +199,25 @@ class LocalCluster:
         t.extra_args = list(extra or t.extra_args)
         self._expected_exit.discard((t.role, t.index))  # a new process: its own death would be news
         t.log_path = os.path.join(self.log_dir, f"{t.role}-{t.index}.log")
+        self._reap(t)  # a previous process of this task (restart): close what it held
         t.log_file = open(t.log_path, "ab")
         t.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=t.log_file, stdin=subprocess.DEVNULL, env=env)
-        threading.Thread(target=self._read_ready, args=(t, t.proc, ready), name=f"jaxdist-launch-{t.name}", daemon=True).start()
+        t.reader = threading.Thread(target=self._read_ready, args=(t, t.proc, ready), name=f"jaxdist-launch-{t.name}", daemon=True)
+        t.reader.start()
+
+    @staticmethod
+    def _reap(t: _Task) -> None:
+        """Release the pipe, log file and reader thread of ``t``'s process once it has exited."""
+        if t.proc is None or t.proc.poll() is None:
+            return
+        if t.reader is not None:
+            t.reader.join(10.0)  # it ends at EOF, which the exit delivers
+            t.reader = None
+        if t.proc.stdout is not None and not t.proc.stdout.closed:
+            t.proc.stdout.close()
+        if t.log_file is not None:
+            t.log_file.close()
+            t.log_file = None
 
     @staticmethod
     def _read_ready(t: _Task, proc: subprocess.Popen[bytes], ready: queue.Queue[tuple[_Task, int | None]]) -> None:
@@ -261,9 +278,7 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 t.proc.kill()  # type: ignore[union-attr]
                 t.proc.wait()  # type: ignore[union-attr]
-            if t.log_file is not None:
-                t.log_file.close()
-                t.log_file = None
+            self._reap(t)
         atexit.unregister(self.stop)
         if self._own_log_dir and procs:
             if self._failed:

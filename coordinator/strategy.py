@@ -18,21 +18,26 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from jaxdist import variables as jv
 from jaxdist.base.cluster_resolver import ClusterResolver
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, JaxdistError
 from jaxdist.partitioners import Partitioner, shard_offsets
 from jaxdist.transport import rpc
 from jaxdist.ps_server.client import CreateSpec
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
 from jaxdist.cluster_coordinator.ps_failover import ReplicaSet
+from jaxdist.ps_methods import PSStrategyMethods
 from jaxdist.sharded_variable import ShardedVariable
+from jaxdist.sync import context as sync_context
+
+if TYPE_CHECKING:
+    from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +72,12 @@ def _adapt_initializer(init: Callable[..., Any]) -> Callable[[tuple[int, ...], n
     return call
 
 
-class ParameterServerStrategy:
+class ParameterServerStrategy(PSStrategyMethods):
     """Parameter-server training: variables on PS tasks, closures on workers.
+
+    TF's strategy methods (``run`` inside closures on the worker's devices,
+    ``reduce``, ``gather``, ``distribute_datasets_from_function``,
+    ``extended``...) come from :class:`jaxdist.ps_methods.PSStrategyMethods`.
 
     Args:
         cluster_resolver: where the ``ps`` and ``worker`` tasks are (and the
@@ -110,7 +119,7 @@ class ParameterServerStrategy:
         self._counter = 0  # TF's global round-robin placement counter
         self._names: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._coordinator: Any = None
+        self._coordinator: ClusterCoordinator | None = None
         self._closed = False
         #: Every variable created through this strategy, by name (checkpoints walk it).
         self.variables: dict[str, jv.Variable | ShardedVariable] = {}
@@ -128,6 +137,28 @@ class ParameterServerStrategy:
         return self._conns
 
     @property
+    def coordinator(self) -> ClusterCoordinator | None:
+        """The live ClusterCoordinator of this strategy (None: none, or it was shut down)."""
+        c = self._coordinator
+        return c if c is not None and not c.closed else None
+
+    def bind_coordinator(self, coordinator: ClusterCoordinator) -> None:
+        """Make ``coordinator`` this strategy's (ClusterCoordinator's constructor calls it).
+
+        Raises:
+            ValueError: the strategy already has a live coordinator.
+        """
+        with self._lock:
+            if self.coordinator is not None:
+                raise ValueError("this strategy already has a ClusterCoordinator; use strategy's existing one")
+            self._coordinator = coordinator
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (its PS connections are closed)."""
+        return self._closed
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """Replicas that take one step together: 1 (each worker trains asynchronously)."""
         return 1
@@ -141,7 +172,8 @@ class ParameterServerStrategy:
         """Inside, :func:`create_variable`/:func:`create_variables` place variables on the PS tasks."""
         token = _scopes.set(_scopes.get() + (self,))
         try:
-            yield self
+            with sync_context.enter_scope(self):  # jaxdist.get_strategy() returns this strategy, as TF
+                yield self
         finally:
             _scopes.reset(token)
 
@@ -153,6 +185,8 @@ class ParameterServerStrategy:
         return base if n == 0 else f"{base}_{n}"
 
     def _place(self) -> int:
+        if getattr(self, "_colocate_ps", None) is not None:  # extended.colocate_vars_with: same PS, no counter step
+            return int(self._colocate_ps)
         with self._lock:
             ps = self._counter % self.num_ps
             self._counter += 1
@@ -171,7 +205,7 @@ class ParameterServerStrategy:
         if_exists: str,
     ) -> tuple[Any, list[tuple[int, CreateSpec]]]:
         k = 1
-        if self._partitioner is not None and len(shape) > 0:
+        if self._partitioner is not None and len(shape) > 0 and getattr(self, "_colocate_ps", None) is None:
             parts = list(self._partitioner(shape, dtype))
             if len(parts) != len(shape) or any(p != 1 for p in parts[1:]) or parts[0] < 1:
                 raise ConfigurationError(
@@ -264,9 +298,9 @@ class ParameterServerStrategy:
         return var
 
     # -------------------------------------------------------------- lifecycle
-    def _shutdown_ps(self, reason: str, exit_code: int) -> None:
-        from jaxdist.base.errors import JaxdistError
-
+    def shutdown_ps(self, reason: str, exit_code: int) -> None:
+        """Tell every PS task (and backup) to exit with ``exit_code`` (the job is over); unreachable
+        ones are skipped. :meth:`ClusterCoordinator.shutdown` calls it."""
         for c in self._conns.clients:
             try:
                 c.shutdown(reason, exit_code, timeout=2.0)
@@ -291,11 +325,24 @@ def _path_name(entry: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-]", "_", str(entry))
 
 
-def create_variable(initial_value: Any = None, **kwargs: Any) -> jv.Variable | ShardedVariable:
-    """Create a PS variable in the current strategy's scope (see :meth:`ParameterServerStrategy.create_variable`)."""
+def create_variable(initial_value: Any = None, **kwargs: Any) -> Any:
+    """Create a variable in the current strategy's scope: on the PS tasks (see
+    :meth:`ParameterServerStrategy.create_variable`), or, inside a synchronous strategy's scope, a
+    mirrored variable (see :func:`jaxdist.sync.create_variable`)."""
+    from jaxdist.sync_dispatch import sync_strategy_in_scope
+
+    sync = sync_strategy_in_scope(kwargs)
+    if sync is not None:
+        return sync.create_variable(initial_value, **kwargs)
     return get_ps_strategy().create_variable(initial_value, **kwargs)
 
 
 def create_variables(tree: Any, **kwargs: Any) -> Any:
-    """Create a tree of PS variables in the current strategy's scope (see :meth:`ParameterServerStrategy.create_variables`)."""
+    """Create a tree of variables in the current strategy's scope: on the PS tasks (see
+    :meth:`ParameterServerStrategy.create_variables`), or mirrored variables of a synchronous strategy."""
+    from jaxdist.sync_dispatch import sync_strategy_in_scope
+
+    sync = sync_strategy_in_scope(kwargs)
+    if sync is not None:
+        return sync.create_variables(tree, **kwargs)
     return get_ps_strategy().create_variables(tree, **kwargs)

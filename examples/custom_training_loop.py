@@ -1,24 +1,28 @@
-"""Custom training loop with a synchronous strategy (TF's "Custom training with tf.distribute.Strategy").
+"""TF's tutorial "Custom training with tf.distribute.Strategy", ported to JAX with jaxdist.
 
-The same steps as the TensorFlow tutorial, in JAX with jaxdist:
+Section by section as the tutorial (https://www.tensorflow.org/tutorials/distribute/custom_training),
+with no hand-written all-reduce, metric or checkpoint code:
 
-1. create a strategy (``MirroredStrategy``: every local device);
-2. build the input pipeline and distribute it (each global batch is split
-   across the replicas; the short last batch is zero-padded and masked);
-3. create the model and optimizer state in ``strategy.scope()`` (replicated);
-4. per-example loss scaled by the *global* batch size
-   (``compute_average_loss``), plus the regularization loss scaled by the
-   number of replicas (``scale_regularization_loss``);
-5. ``strategy.run(train_step)``: gradients all-reduced with an XLA
-   collective inside one compiled step; metrics reduced with ``strategy.reduce``;
-6. a checkpoint every ``--checkpoint-every`` epochs, then restored *without*
-   the strategy and evaluated on one device.
+1. a strategy (``MirroredStrategy``: every local device; ``--strategy`` picks another);
+2. the input pipeline, distributed with ``strategy.experimental_distribute_dataset``
+   (the short last batch is split across replicas as TF splits it);
+3. the model, optimizer, metrics and checkpoint created in ``strategy.scope()``;
+4. the loss: per-example losses scaled with ``jaxdist.compute_average_loss``, plus
+   the L2 term scaled with ``jaxdist.scale_regularization_loss``;
+5. ``train_step`` / ``test_step`` run by ``strategy.run`` inside ``@jaxdist.function``
+   (TF: ``@tf.function``); ``optimizer.apply_gradients`` all-reduces the gradients
+   as TF's optimizers do; metrics aggregate across replicas themselves;
+6. a checkpoint every ``--checkpoint-every`` epochs (``jaxdist.CheckpointManager``);
+7. the latest checkpoint restored into a fresh model *without* a strategy and evaluated.
 
 Data: scikit-learn's bundled 8x8 digits (1797 images, 10 classes; no download).
 
-Run on 8 fake CPU devices (any device count works, including 1)::
+Run::
 
-    python examples/custom_training_loop.py --devices 8
+    python examples/custom_training_loop.py --devices 8                    # 8 fake CPU devices
+    python examples/custom_training_loop.py --strategy one_device
+    python examples/custom_training_loop.py --strategy default             # no strategy (one replica)
+    TF_CONFIG=... python examples/custom_training_loop.py --strategy multi_worker   # one process per host
 """
 
 from __future__ import annotations
@@ -33,11 +37,17 @@ from typing import Any
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strategy", choices=["mirrored", "one_device", "default", "multi_worker"], default="mirrored")
     ap.add_argument("--devices", type=int, default=None, help="fake CPU devices (sets XLA_FLAGS); default: as JAX finds them")
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--batch-size-per-replica", type=int, default=32)
+    ap.add_argument("--global-batch-size", type=int, default=None,
+                    help="default: batch size per replica x replicas (fix it to compare strategies)")
     ap.add_argument("--checkpoint-every", type=int, default=2, help="epochs between checkpoints")
     ap.add_argument("--checkpoint-dir", default=None, help="default: a fresh temporary folder")
+    ap.add_argument("--weights-out", default=None, help="write the final weights here (.npz)")
+    ap.add_argument("--peer-timeout", type=float, default=3.0,
+                    help="multi_worker: seconds without a heartbeat before a peer is declared dead")
     return ap.parse_args()
 
 
@@ -47,66 +57,65 @@ if ARGS.devices:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import jaxdist  # noqa: E402
+
+# -- 1. strategy ----------------------------------------------------------------------------------
+# MultiWorkerMirroredStrategy joins the other processes before JAX starts, so it comes first.
+
+if ARGS.strategy == "multi_worker":
+    strategy = jaxdist.MultiWorkerMirroredStrategy(peer_timeout_s=ARGS.peer_timeout)
+elif ARGS.strategy == "mirrored":
+    strategy = jaxdist.MirroredStrategy()
+elif ARGS.strategy == "one_device":
+    strategy = jaxdist.OneDeviceStrategy("cpu:0")
+else:
+    strategy = jaxdist.get_strategy()  # the default strategy: what TF code runs under without a scope
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
-import jaxdist.sync as sd  # noqa: E402  (also exported as jaxdist.MirroredStrategy etc.)
-
-# -- 1. strategy ------------------------------------------------------------------------------
-
-strategy = sd.MirroredStrategy()
 print(f"Number of devices: {strategy.num_replicas_in_sync}")
 
-# -- 2. data ------------------------------------------------------------------------------------
+# -- 2. input pipeline ---------------------------------------------------------------------------
 
 digits = load_digits()
 images = (digits.images / 16.0).astype(np.float32)[..., None]  # (1797, 8, 8, 1), values in [0, 1]
 labels = digits.target.astype(np.int32)
 perm = np.random.default_rng(0).permutation(len(images))
-train_idx, test_idx = perm[:1500], perm[1500:]
-train_images, train_labels = images[train_idx], labels[train_idx]
-test_images, test_labels = images[test_idx], labels[test_idx]
+train_images, train_labels = images[perm[:1500]], labels[perm[:1500]]
+test_images, test_labels = images[perm[1500:]], labels[perm[1500:]]
 
 BATCH_SIZE_PER_REPLICA = ARGS.batch_size_per_replica
-GLOBAL_BATCH_SIZE = BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
+GLOBAL_BATCH_SIZE = ARGS.global_batch_size or BATCH_SIZE_PER_REPLICA * strategy.num_replicas_in_sync
 EPOCHS = ARGS.epochs
 
 
-class Batches:
-    """Re-iterable global batches (the tf.data pipeline's role); reshuffled on every pass."""
+class Dataset:
+    """The tf.data pipeline's role: shuffled (a new order every pass) and batched; re-iterable."""
 
     def __init__(self, x: np.ndarray, y: np.ndarray, batch: int, shuffle: bool) -> None:
         self.x, self.y, self.batch, self.shuffle = x, y, batch, shuffle
-        self.epoch = 0
+        self.passes = 0
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        order = np.arange(len(self.x))
-        if self.shuffle:
-            order = np.random.default_rng(self.epoch).permutation(order)
-        self.epoch += 1
+        order = np.random.default_rng(self.passes).permutation(len(self.x)) if self.shuffle else np.arange(len(self.x))
+        self.passes += 1
         for i in range(0, len(order), self.batch):
-            sel = order[i : i + self.batch]
-            yield self.x[sel], self.y[sel]
+            yield self.x[order[i : i + self.batch]], self.y[order[i : i + self.batch]]
 
 
-# with_mask=True: the last, short batch is zero-padded so one compiled step serves every batch;
-# the mask (1 real row, 0 padding) weights the loss and the metrics.
-train_dist_dataset = strategy.experimental_distribute_dataset(
-    Batches(train_images, train_labels, GLOBAL_BATCH_SIZE, shuffle=True), with_mask=True
-)
-test_dist_dataset = strategy.experimental_distribute_dataset(
-    Batches(test_images, test_labels, GLOBAL_BATCH_SIZE, shuffle=False), with_mask=True
-)
+train_dataset = Dataset(train_images, train_labels, GLOBAL_BATCH_SIZE, shuffle=True)
+test_dataset = Dataset(test_images, test_labels, GLOBAL_BATCH_SIZE, shuffle=False)
+train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 
-# -- 3. model -----------------------------------------------------------------------------------
-
-L2 = 1e-4
+# -- 3. model --------------------------------------------------------------------------------------
 
 
-def init_params(key: jax.Array) -> dict[str, Any]:
+def create_model(key: jax.Array) -> dict[str, Any]:
     """Conv(32, 3x3) -> maxpool -> Conv(64, 3x3) -> maxpool -> Dense(64) -> Dense(10), as the tutorial."""
     k = jax.random.split(key, 4)
 
@@ -136,97 +145,127 @@ def apply(params: dict[str, Any], x: jax.Array) -> jax.Array:
     return h @ params["dense2"]["w"] + params["dense2"]["b"]
 
 
-optimizer = optax.adam(1e-3)
-
-with strategy.scope():
-    # "Variables created in scope": one logical value, replicated on every device.
-    params = strategy.replicate(init_params(jax.random.PRNGKey(42)))
-    opt_state = strategy.replicate(optimizer.init(params))
-
-# -- 4. loss --------------------------------------------------------------------------------------
-
-
-def compute_loss(params: dict[str, Any], x: jax.Array, y: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array]:
-    logits = apply(params, x)
-    per_example_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    loss = sd.compute_average_loss(per_example_loss, GLOBAL_BATCH_SIZE, sample_weight=mask)
-    l2 = sum(jnp.sum(p["w"] ** 2) for p in params.values())
-    return loss + sd.scale_regularization_loss(L2 * l2), logits
-
-
-# -- 5. steps -------------------------------------------------------------------------------------
-
-
-def train_step(params: Any, opt_state: Any, batch: Any) -> Any:
-    (x, y), mask = batch
-    (loss, logits), grads = jax.value_and_grad(compute_loss, has_aux=True)(params, x, y, mask)
-    grads = sd.get_replica_context().all_reduce(sd.ReduceOp.SUM, grads)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    correct = jnp.sum((jnp.argmax(logits, -1) == y) * mask)
-    return params, opt_state, loss, correct, jnp.sum(mask)
-
-
-def test_step(params: Any, batch: Any) -> Any:
-    (x, y), mask = batch
-    logits = apply(params, x)
-    per_example_loss = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-    return jnp.sum(per_example_loss * mask), jnp.sum((jnp.argmax(logits, -1) == y) * mask), jnp.sum(mask)
-
-
-def save_checkpoint(path: str, params: Any, opt_state: Any, epoch: int) -> None:
-    """Host copies of every leaf, keyed by its path in the pytree (plain .npz, readable anywhere)."""
-    flat = {}
-    for prefix, tree in (("params", params), ("opt_state", opt_state)):
-        for keypath, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            flat[prefix + jax.tree_util.keystr(keypath)] = np.asarray(leaf)
-    np.savez(path, epoch=epoch, **flat)
-
-
-def load_params(path: str, template: Any) -> Any:
-    """Rebuild the params pytree from a checkpoint, shaped like ``template`` (no strategy needed)."""
-    data = np.load(path)
-    leaves = [
-        data["params" + jax.tree_util.keystr(keypath)] for keypath, _ in jax.tree_util.tree_leaves_with_path(template)
-    ]
-    return jax.tree.unflatten(jax.tree.structure(template), leaves)
+def model_losses(params: dict[str, Any]) -> jax.Array:
+    """The model's regularization losses (Keras's ``model.losses``): L2 on the kernels."""
+    return 1e-4 * sum(jnp.sum(p["w"] ** 2) for p in params.values())
 
 
 checkpoint_dir = ARGS.checkpoint_dir or tempfile.mkdtemp(prefix="jaxdist_ctl_")
-os.makedirs(checkpoint_dir, exist_ok=True)
-checkpoint_path = os.path.join(checkpoint_dir, "ckpt.npz")
+
+with strategy.scope():
+    model = jaxdist.create_variables(create_model(jax.random.PRNGKey(42)), name="model")  # mirrored variables
+    optimizer = jaxdist.Optimizer(optax.adam(1e-3))
+    optimizer.build(model)
+    checkpoint = jaxdist.Checkpoint(strategy)  # the model and the optimizer's state
+    manager = jaxdist.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=2)
+
+# -- 4. loss ---------------------------------------------------------------------------------------
+
+
+def loss_object(labels: jax.Array, logits: jax.Array) -> jax.Array:
+    """SparseCategoricalCrossentropy(from_logits=True, reduction=NONE): one loss per example."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def compute_loss(labels: jax.Array, logits: jax.Array, params: dict[str, Any]) -> jax.Array:
+    per_example_loss = loss_object(labels, logits)
+    loss = jaxdist.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE)
+    return loss + jaxdist.scale_regularization_loss(model_losses(params))
+
+
+# -- 5. metrics ------------------------------------------------------------------------------------
+
+with strategy.scope():
+    test_loss = jaxdist.metrics.Mean(name="test_loss")
+    train_accuracy = jaxdist.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+    test_accuracy = jaxdist.metrics.SparseCategoricalAccuracy(name="test_accuracy")
+
+# -- 6. training loop --------------------------------------------------------------------------------
+
+
+def train_step(inputs: Any) -> jax.Array:
+    images, labels = inputs
+
+    def loss_fn(params: dict[str, Any]) -> tuple[jax.Array, jax.Array]:
+        logits = apply(params, images)
+        return compute_loss(labels, logits, params), logits
+
+    (loss, logits), gradients = jax.value_and_grad(loss_fn, has_aux=True)(jaxdist.read_variables(model))
+    optimizer.apply_gradients(zip(jax.tree.leaves(gradients), jax.tree.leaves(model)))
+    train_accuracy.update_state(labels, logits)
+    return loss
+
+
+def test_step(inputs: Any) -> None:
+    images, labels = inputs
+    logits = apply(jaxdist.read_variables(model), images)
+    test_loss.update_state(loss_object(labels, logits))
+    test_accuracy.update_state(labels, logits)
+
+
+@jaxdist.function
+def distributed_train_step(dataset_inputs: Any) -> jax.Array:
+    per_replica_losses = strategy.run(train_step, args=(dataset_inputs,))
+    return strategy.reduce(jaxdist.ReduceOp.SUM, per_replica_losses, axis=None)
+
+
+@jaxdist.function
+def distributed_test_step(dataset_inputs: Any) -> None:
+    strategy.run(test_step, args=(dataset_inputs,))
+
 
 for epoch in range(EPOCHS):
     t0 = time.perf_counter()
-    total_loss, num_batches, train_correct, train_seen = 0.0, 0, 0.0, 0.0
-    for batch in train_dist_dataset:
-        params, opt_state, per_replica_loss, correct, seen = strategy.run(train_step, args=(params, opt_state, batch))
-        # distributed_train_step's return value in the tutorial: the loss summed over replicas.
-        total_loss += float(strategy.reduce(sd.ReduceOp.SUM, per_replica_loss, axis=None))
-        train_correct += float(strategy.reduce(sd.ReduceOp.SUM, correct, axis=None))
-        train_seen += float(strategy.reduce(sd.ReduceOp.SUM, seen, axis=None))
+    total_loss = 0.0
+    num_batches = 0
+    for x in train_dist_dataset:
+        total_loss += float(distributed_train_step(x))
         num_batches += 1
-    test_loss, test_correct, test_seen = 0.0, 0.0, 0.0
-    for batch in test_dist_dataset:
-        loss_sum, correct, seen = strategy.run(test_step, args=(params, batch))
-        test_loss += float(strategy.reduce(sd.ReduceOp.SUM, loss_sum, axis=None))
-        test_correct += float(strategy.reduce(sd.ReduceOp.SUM, correct, axis=None))
-        test_seen += float(strategy.reduce(sd.ReduceOp.SUM, seen, axis=None))
+    train_loss = total_loss / num_batches
+
+    for x in test_dist_dataset:
+        distributed_test_step(x)
+
     if (epoch + 1) % ARGS.checkpoint_every == 0:
-        save_checkpoint(checkpoint_path, params, opt_state, epoch + 1)
+        manager.save(epoch + 1)
+
     print(
-        f"Epoch {epoch + 1}, Loss: {total_loss / num_batches:.4f}, Accuracy: {100 * train_correct / train_seen:.2f}, "
-        f"Test Loss: {test_loss / test_seen:.4f}, Test Accuracy: {100 * test_correct / test_seen:.2f} "
+        f"Epoch {epoch + 1}, Loss: {train_loss:.4f}, Accuracy: {float(train_accuracy.result()) * 100:.2f}, "
+        f"Test Loss: {float(test_loss.result()):.4f}, Test Accuracy: {float(test_accuracy.result()) * 100:.2f} "
         f"({time.perf_counter() - t0:.1f}s)"
     )
+    test_loss.reset_state()
+    train_accuracy.reset_state()
+    test_accuracy.reset_state()
 
-print(f"compiled train/test steps: {strategy.trace_count} (one each)")
+if ARGS.weights_out and jax.process_index() == 0:
+    flat = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(model)}
+    np.savez(ARGS.weights_out, **flat)
 
-# -- 6. restore without the strategy ------------------------------------------------------------
+# -- 7. restore the latest checkpoint and test, without a strategy ------------------------------------
+# A fresh model and optimizer of the default strategy (what exists outside any strategy.scope()).
 
-# A fresh, strategy-free pytree of the right shapes; no replicas, no scope: plain JAX on one device.
-restored = load_params(checkpoint_path, jax.eval_shape(init_params, jax.random.PRNGKey(0)))
-epoch_saved = int(np.load(checkpoint_path)["epoch"])
-logits = jax.jit(apply)(restored, test_images)
-accuracy = float(jnp.mean(jnp.argmax(logits, -1) == test_labels))
-print(f"Accuracy after restoring the checkpoint of epoch {epoch_saved} without strategy: {100 * accuracy:.2f}")
+with jaxdist.get_strategy().scope():  # outside any scope, get_strategy() is the default strategy
+    new_model = jaxdist.create_variables(create_model(jax.random.PRNGKey(0)), name="model")
+    new_optimizer = jaxdist.Optimizer(optax.adam(1e-3))
+    eval_accuracy = jaxdist.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
+
+new_checkpoint = jaxdist.Checkpoint(None)  # no strategy
+latest = jaxdist.latest_checkpoint(checkpoint_dir)
+new_checkpoint.restore(latest)
+
+
+@jaxdist.function
+def eval_step(images: jax.Array, labels: jax.Array) -> None:
+    eval_accuracy.update_state(labels, apply(jaxdist.read_variables(new_model), images))
+
+
+for images_batch, labels_batch in test_dataset:
+    eval_step(images_batch, labels_batch)
+
+print(
+    f"Accuracy after restoring the saved model (epoch {new_checkpoint.step}) without strategy: "
+    f"{float(eval_accuracy.result()) * 100:.2f}"
+)
+if ARGS.strategy == "multi_worker":
+    strategy.shutdown()

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -18,13 +17,8 @@ from jaxdist.transport.credentials import Credentials  # noqa: E402
 CREDS = Credentials(TOKEN)
 
 
-def poll_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.02, what: str = "condition") -> None:
-    """Wait until ``predicate()`` is true (no fixed sleeps in tests)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+# One harness: tests that still do ``from conftest import poll_for`` get jaxdist.testing's.
+from jaxdist.testing import poll_for  # noqa: E402,F401
 
 
 @pytest.fixture

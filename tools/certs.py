@@ -26,9 +26,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-logger = logging.getLogger(__name__)
-
 from jaxdist.transport.credentials import TLSConfig
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CertPaths", "generate", "main"]
 
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print("jaxdist certs: needs the 'cryptography' package: pip install 'jaxdist[tls]'", file=sys.stderr)
         return 2
     print(f"wrote {p.ca}, {p.server_cert}, {p.client_cert} (and keys, mode 0600)")
-    print("tasks:       jaxdist ps|worker --tls-cert {0} --tls-key {1} --tls-ca {2} ...".format(p.server_cert, p.server_key, p.ca))
+    print(f"tasks:       jaxdist ps|worker --tls-cert {p.server_cert} --tls-key {p.server_key} --tls-ca {p.ca} ...")
     print(f"coordinator: export JAXDIST_TLS_CERT={p.server_cert} JAXDIST_TLS_KEY={p.server_key} JAXDIST_TLS_CA={p.ca}")
     print(f"tools:       export JAXDIST_TLS_CERT={p.client_cert} JAXDIST_TLS_KEY={p.client_key} JAXDIST_TLS_CA={p.ca}")
     return 0

@@ -3,6 +3,7 @@
 Subcommands:
   ps        run a parameter-server task
   worker    run a worker task
+  workers   run many worker tasks in one process (a simulated big cluster: --count N)
   launch    start a local cluster (and optionally run a coordinator script in it)
   task      become whatever task the environment says (TF_CONFIG, Slurm, launcher)
   demo      train an MLP on a local cluster of real processes
@@ -100,7 +101,7 @@ def _task(argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if argv is None and sys.argv[1:2] and sys.argv[1] in ("ps", "worker", "task"):
+    if argv is None and sys.argv[1:2] and sys.argv[1] in ("ps", "worker", "workers", "task"):
         from jaxdist.base.task_process import reexec_with_task_environment
 
         reexec_with_task_environment()  # a real task process (not a call from Python): tune malloc first
@@ -117,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxdist.worker.server import main as worker_main
 
         return worker_main(rest)
+    if cmd == "workers":
+        from jaxdist.worker.host import main as host_main
+
+        return host_main(rest)
     if cmd == "launch":
         return _launch(rest)
     if cmd == "task":

@@ -8,9 +8,10 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base import task_process
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, JaxdistError
 from jaxdist.transport import rpc
 from jaxdist.transport.credentials import Credentials
+from jaxdist.worker.coordinator_client import CoordinatorClient
 from jaxdist.worker.servicer import SERVICE, WorkerServicer
 
 if TYPE_CHECKING:
@@ -48,32 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _Registration:
-    """Joins a running job through the coordinator's registration service, and leaves it."""
-
-    def __init__(self, coordinator: str, credentials: Credentials) -> None:
-        from jaxdist.proto import coordinator_pb2
-
-        self._pb = coordinator_pb2
-        self._channel = rpc.make_channel(coordinator, credentials)
-        self._md = credentials.metadata
-        req, resp = coordinator_pb2.RegisterWorkerRequest, coordinator_pb2.RegisterWorkerResponse
-        self._register = rpc.unary_method(self._channel, "/jaxdist.Coordinator/RegisterWorker", req, resp)
-        self._deregister = rpc.unary_method(self._channel, "/jaxdist.Coordinator/DeregisterWorker", req, resp)
-        self.address = ""
-
-    def join(self, address: str) -> None:
-        self.address = address
-        resp = self._register(self._pb.RegisterWorkerRequest(address=address), metadata=self._md, timeout=30, wait_for_ready=True)
-        logger.info("joined the job as worker %d", resp.worker_index)
-
-    def leave(self) -> None:
-        if self.address:
-            try:
-                self._deregister(self._pb.RegisterWorkerRequest(address=self.address), metadata=self._md, timeout=5)
-            except Exception as e:  # noqa: BLE001 - the coordinator may be gone already
-                logger.info("could not deregister: %s", e)
-        self._channel.close()
+def _leave(coordinator: str, me: str, credentials: Credentials) -> None:
+    """Deregister the worker at ``me`` from the coordinator at ``coordinator`` (best effort: it may be gone)."""
+    with CoordinatorClient(coordinator, credentials) as client:
+        try:
+            client.deregister(me)
+        except JaxdistError as e:
+            logger.info("could not deregister: %s", e)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,21 +68,24 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"jaxdist worker: {e}", file=sys.stderr)
         return task_process.EXIT_CONFIG
-    reg = _Registration(args.register_with, w.credentials) if args.register_with else None
+    joined: list[str] = []  # the address this worker registered under (--register-with)
 
     def on_started(port: int) -> None:
-        if reg is not None:
-            reg.join(args.advertise_address or f"{rpc.dialable_host(args.host)}:{port}")
+        if args.register_with:
+            me = args.advertise_address or f"{rpc.dialable_host(args.host)}:{port}"
+            with CoordinatorClient(args.register_with, w.credentials) as client:
+                index = client.register(me)
+            joined.append(me)
+            logger.info("joined the job as worker %d", index)
 
     def on_stop() -> None:
-        if reg is not None:
-            reg.leave()
+        if args.register_with:
+            if joined:
+                _leave(args.register_with, joined[0], w.credentials)
         elif w.servicer.registration[0] and not w.servicer.shutdown_event.is_set():
             # Configured by a coordinator that accepts registrations: leave it properly on SIGTERM.
-            addr, me = w.servicer.registration
-            leaving = _Registration(addr, w.credentials)
-            leaving.address = me
-            leaving.leave()
+            coordinator, me = w.servicer.registration
+            _leave(coordinator, me, w.credentials)
 
     def report() -> str:
         stats = dict(w.servicer.stats)

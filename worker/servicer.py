@@ -18,10 +18,8 @@ Contract:
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
-import pickle
 import threading
 import time
 import traceback
@@ -39,6 +37,7 @@ from jaxdist.transport import rpc
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
 from jaxdist.transport.rpc import PLAINTEXT
+from jaxdist.worker import closure_args
 from jaxdist.worker import context as wctx
 
 logger = logging.getLogger(__name__)
@@ -47,43 +46,6 @@ SERVICE = "jaxdist.Worker"
 
 #: Functions kept per worker (LRU); a closure's function is a few KB.
 _FUNCTION_CACHE_SIZE = 1024
-
-
-class _ResourceMissing(Exception):
-    pass
-
-
-class _ArgsUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, resources: dict[int, Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._resources = resources
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, rid = pid[0], pid[1]
-        if kind not in ("jaxdist-resource", "jaxdist-ledger"):
-            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
-        try:
-            resource = self._resources[rid]
-        except KeyError:
-            raise _ResourceMissing(rid) from None
-        return _OneBatch(resource, pid[2]) if kind == "jaxdist-ledger" else resource
-
-
-class _OneBatch:
-    """The iterator a closure sees for an exactly-once dataset: its one assigned batch."""
-
-    def __init__(self, dataset: Any, index: int | None) -> None:
-        self._dataset = dataset
-        self._index = index
-
-    def __iter__(self) -> _OneBatch:
-        return self
-
-    def __next__(self) -> Any:
-        if self._index is None:
-            raise StopIteration
-        index, self._index = self._index, None
-        return self._dataset[index]
 
 
 def _to_host(value: Any) -> Any:
@@ -202,8 +164,8 @@ class WorkerServicer:
             result.status = worker_pb2.FUNCTION_UNKNOWN
             return
         try:
-            args, kwargs = _ArgsUnpickler(call.args, self._resources).load() if call.args else ((), {})
-        except _ResourceMissing:
+            args, kwargs = closure_args.loads(call.args, self._resources)
+        except closure_args.ResourceMissing:
             result.status = worker_pb2.RESOURCE_UNKNOWN
             return
         except Exception as e:  # noqa: BLE001

@@ -6,6 +6,7 @@ Detection order (:func:`detect`), first match wins:
 2. ``JAXDIST_CLUSTER`` set (by ``jaxdist launch``) -> :class:`LocalLauncherClusterResolver`.
 3. ``TF_CONFIG`` set (Kubeflow TFJob, hand-written) -> :class:`TFConfigClusterResolver`.
 4. Slurm step variables set -> ``SlurmClusterResolver`` (when available).
+5. Cloud TPU VM variables set (``TPU_WORKER_HOSTNAMES``) -> :class:`TPUClusterResolver`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ try:  # Optional module, added with Slurm support.
 except ImportError:  # pragma: no cover
     pass
 
+from jaxdist.base.cluster_resolver.tpu import TPUClusterResolver  # noqa: E402 - registers with detect()
+
+__all__.append("TPUClusterResolver")
+
 
 def detect() -> ClusterResolver:
     """Return the resolver for this environment (see the module docstring for the order)."""
@@ -54,7 +59,7 @@ def detect() -> ClusterResolver:
         if cls.is_env_present():
             return cls()
     raise ConfigurationError(
-        "no cluster found in the environment: set TF_CONFIG, run under Slurm (srun), "
+        "no cluster found in the environment: set TF_CONFIG, run under Slurm (srun) or on a Cloud TPU VM, "
         "run the script through `jaxdist launch --workers N --ps M -- python script.py`, "
         "or pass a SimpleClusterResolver explicitly"
     )

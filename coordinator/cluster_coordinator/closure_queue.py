@@ -10,8 +10,15 @@ Queue contract (TF's ``_CoordinatedClosureQueue``, made exact):
   from ``schedule``/``join``/``done``), and then cleared.
 - ``wait`` (``join``) returns when nothing is queued or running; if an error
   was recorded it waits for the running closures to finish, then raises it.
-- ``put_back`` re-queues a closure whose worker failed (at the front, so it
-  runs next); after an error it cancels the closure instead.
+- ``retry`` re-queues a closure whose worker failed while it may have run
+  (at the front, so it runs next; its ``attempt`` and the ``retried``
+  count go up); ``return_unrun`` re-queues one that certainly never ran
+  (its batch was skipped, its function had to be resent, its arguments
+  were never sent): same place, no attempt counted. After an error (or a
+  stop) both cancel the closure instead.
+- ``set_held`` stops handing out closures while a PS is suspect (a level,
+  set from the failure handler's state); ``pause``/``resume`` are the
+  nestable quiet points of checkpoints. Either stops dispatch.
 - Tagged closures run only on their worker (per-worker resources) and take
   precedence over untagged ones on that worker.
 """
@@ -107,6 +114,12 @@ def function_payload(fn: Callable[..., Any]) -> FunctionPayload:
 
 @dataclass(eq=False)
 class Closure:
+    """One scheduled call ``fn(*args, **kwargs)`` and the RemoteValue it settles.
+
+    ``succeed``/``fail``/``cancel`` settle it (once; the ledger hooks
+    ``on_done``/``on_cancel`` run at most once between them).
+    """
+
     fn: Callable[..., Any]
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -129,6 +142,29 @@ class Closure:
             self._fp = function_payload(self.fn)
         return self._fp
 
+    def succeed(self, payload: bytes) -> None:
+        """It ran: settle its value with ``payload`` (a resource closure's value stays on its worker)."""
+        if not self.resource_id:
+            self.remote_value.set_result(payload)
+        if self.on_done is not None:
+            self.on_done()
+        self.on_cancel = None
+
+    def fail(self, error: BaseException) -> None:
+        """It failed for good: ``fetch()`` raises ``error``; its data positions go back to the ledger."""
+        self._give_back()
+        self.remote_value.set_error(error)
+
+    def cancel(self, error: BaseException) -> None:
+        """It will not run: ``fetch()`` raises ``error`` (ABORTED); its data positions go back."""
+        self._give_back()
+        self.remote_value.set_aborted(error)
+
+    def _give_back(self) -> None:
+        if self.on_cancel is not None:
+            self.on_cancel()
+            self.on_cancel = None
+
 
 class ClosureQueue:
     """Thread-safe queue of closures with TF's error and cancellation semantics."""
@@ -143,6 +179,7 @@ class ClosureQueue:
         self._error: BaseException | None = None
         self._stopped = False
         self._paused = 0
+        self._held = False
         self.finished = 0
         self.failed = 0
         self.retried = 0
@@ -188,7 +225,7 @@ class ClosureQueue:
             while True:
                 if self._stopped:
                     return []
-                if self._paused:
+                if self._paused or self._held:
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return []
@@ -228,15 +265,23 @@ class ClosureQueue:
                 self._cancel_all_queued()
             self._cond.notify_all()
 
-    def put_back(self, closure: Closure) -> None:
-        """Re-queue a closure whose worker failed before finishing it."""
+    def retry(self, closure: Closure) -> None:
+        """Re-queue a running closure whose worker failed before reporting it: a new attempt."""
+        self._requeue(closure, new_attempt=True)
+
+    def return_unrun(self, closure: Closure) -> None:
+        """Re-queue a closure handed out that certainly did not run: no attempt is counted."""
+        self._requeue(closure, new_attempt=False)
+
+    def _requeue(self, closure: Closure, new_attempt: bool) -> None:
         with self._cond:
             self._inflight -= 1
             if self._error is not None or self._stopped:
                 self._cancel(closure)
             else:
-                closure.attempt += 1
-                self.retried += 1
+                if new_attempt:
+                    closure.attempt += 1
+                    self.retried += 1
                 if closure.tag is not None:
                     self._tagged[closure.tag].appendleft(closure)
                 else:
@@ -245,10 +290,7 @@ class ClosureQueue:
 
     # ------------------------------------------------------------------- error
     def _cancel(self, closure: Closure) -> None:
-        if closure.on_cancel is not None:
-            closure.on_cancel()
-            closure.on_cancel = None
-        closure.remote_value._set_aborted(
+        closure.cancel(
             CancelledError(f"closure {closure.id} was cancelled because an earlier closure failed; please reschedule the function")
         )
 
@@ -322,9 +364,26 @@ class ClosureQueue:
             return True
 
     def resume(self) -> None:
+        """Undo one :meth:`pause`."""
         with self._cond:
             self._paused = max(0, self._paused - 1)
             self._cond.notify_all()
+
+    def set_held(self, held: bool) -> None:
+        """Hold (True) or release dispatch; closures running go on. Not nested: a level."""
+        with self._cond:
+            self._held = held
+            self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._held
+
+    @property
+    def dispatching(self) -> bool:
+        """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped."""
+        with self._cond:
+            return not (self._paused or self._held or self._stopped)
 
     def stop(self) -> None:
         """Cancel everything queued and wake every waiter (coordinator shutdown)."""

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxdist.base.monitoring import counter
+
+if TYPE_CHECKING:
+    from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
 
 __all__ = ["CoordinatorCollector"]
 
@@ -16,14 +19,14 @@ __all__ = ["CoordinatorCollector"]
 class CoordinatorCollector(Collector):
     """Closure-queue and per-worker figures of a :class:`~jaxdist.ClusterCoordinator`."""
 
-    def __init__(self, coordinator: Any) -> None:
+    def __init__(self, coordinator: ClusterCoordinator) -> None:
         self._coord = coordinator
 
     def collect(self) -> Iterator[Metric]:
-        q = self._coord._queue
+        q = self._coord.closure_counts
         yield GaugeMetricFamily("jaxdist_coordinator_closures_queued", "Closures waiting for a worker", value=float(q.queued))
         yield GaugeMetricFamily("jaxdist_coordinator_closures_running", "Closures sent to a worker, no result yet",
-                                value=float(q.inflight))
+                                value=float(q.running))
         yield counter("jaxdist_coordinator_closures_done", "Closures that finished successfully", float(q.finished))
         yield counter("jaxdist_coordinator_closures_failed", "Closures that failed with an error", float(q.failed))
         yield counter("jaxdist_coordinator_closures_retried", "Closures re-queued after their worker failed", float(q.retried))

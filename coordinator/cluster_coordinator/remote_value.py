@@ -1,4 +1,11 @@
-"""RemoteValue and PerWorkerValues: results and per-worker handles on the coordinator."""
+"""RemoteValue and PerWorkerValues: results and per-worker handles on the coordinator.
+
+A :class:`RemoteValue` is settled once, by the coordinator (the closure
+queue and the dispatch threads, through :class:`Closure`'s ``succeed``/
+``fail``/``cancel``), and read by the user. The per-worker handles
+(:class:`PerWorkerResource`) travel to workers as persistent ids of the
+argument protocol (:mod:`jaxdist.worker.closure_args`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,9 @@ import cloudpickle
 import jax
 import numpy as np
 
-__all__ = ["RemoteValue", "RemoteValueStatus", "PerWorkerValues", "PerWorkerResource"]
+from jaxdist.worker.closure_args import PersistentId, WorkerResident, resource_ref
+
+__all__ = ["RemoteValue", "RemoteValueStatus", "PerWorkerValues", "PerWorkerResource", "PerWorkerResourceValues", "resolve_per_worker"]
 
 
 class RemoteValueStatus(enum.Enum):
@@ -41,8 +50,12 @@ class RemoteValue:
         self._event = threading.Event()
         self._lock = threading.Lock()
 
-    # coordinator side
-    def _set_result(self, payload: bytes) -> None:
+    # ------------------------------------------------------- coordinator side
+    # Like concurrent.futures.Future.set_result: called by the coordinator
+    # (through Closure), never by users. The first call settles the value;
+    # later calls are ignored, so a re-run closure cannot overwrite a result.
+    def set_result(self, payload: bytes) -> None:
+        """Settle with a pickled result (READY)."""
         with self._lock:
             if self._status is not RemoteValueStatus.NOT_READY:
                 return  # a result is set once (a re-executed closure cannot overwrite it)
@@ -50,7 +63,8 @@ class RemoteValue:
             self._status = RemoteValueStatus.READY
             self._event.set()
 
-    def _set_error(self, error: BaseException) -> None:
+    def set_error(self, error: BaseException) -> None:
+        """Settle with the closure's error (READY; ``fetch()`` raises it)."""
         with self._lock:
             if self._status is not RemoteValueStatus.NOT_READY:
                 return
@@ -58,7 +72,8 @@ class RemoteValue:
             self._status = RemoteValueStatus.READY
             self._event.set()
 
-    def _set_aborted(self, error: BaseException) -> None:
+    def set_aborted(self, error: BaseException) -> None:
+        """Settle as cancelled before it ran (ABORTED; ``fetch()`` raises ``error``)."""
         with self._lock:
             if self._status is not RemoteValueStatus.NOT_READY:
                 return
@@ -66,7 +81,7 @@ class RemoteValue:
             self._status = RemoteValueStatus.ABORTED
             self._event.set()
 
-    # user side
+    # -------------------------------------------------------------- user side
     @property
     def status(self) -> RemoteValueStatus:
         return self._status
@@ -102,14 +117,20 @@ class RemoteValue:
         return f"<RemoteValue closure={self.closure_id} {self._status.value}>"
 
 
-class PerWorkerResource:
-    """A handle to an object living on one worker (a dataset, an iterator)."""
+class PerWorkerResource(WorkerResident):
+    """A handle to an object living on one worker (a dataset, an iterator).
+
+    Passed to a closure, it arrives as the object itself on that worker.
+    """
 
     __slots__ = ("resource_id", "worker_index")
 
     def __init__(self, resource_id: int, worker_index: int) -> None:
         self.resource_id = resource_id
         self.worker_index = worker_index
+
+    def persistent_id(self) -> PersistentId:
+        return resource_ref(self.resource_id)
 
     def __repr__(self) -> str:
         return f"<PerWorkerResource {self.resource_id} on worker:{self.worker_index}>"
@@ -119,6 +140,7 @@ class PerWorkerValues:
     """One value per worker; a closure receiving it as an argument gets its own worker's value.
 
     Workers that join later get their value created when they join.
+    Subclasses override :meth:`value_for`.
     """
 
     def __init__(self, values: Sequence[Any]) -> None:
@@ -128,14 +150,15 @@ class PerWorkerValues:
     def values(self) -> tuple[Any, ...]:
         return tuple(self._values)
 
-    def _value_for(self, worker_index: int) -> Any:
+    def value_for(self, worker_index: int) -> Any:
+        """The value a closure running on worker ``worker_index`` receives."""
         return self._values[worker_index]
 
     def __repr__(self) -> str:
         return f"PerWorkerValues({self._values!r})"
 
 
-class _LazyPerWorker(PerWorkerValues):
+class PerWorkerResourceValues(PerWorkerValues):
     """PerWorkerValues for a per-worker resource: worker ``i`` always maps to the resource on ``i``."""
 
     def __init__(self, resource_id: int) -> None:
@@ -145,8 +168,19 @@ class _LazyPerWorker(PerWorkerValues):
     def values(self) -> tuple[Any, ...]:  # pragma: no cover - informational
         raise AttributeError("per-worker resource handles are resolved per worker; pass them to schedule()")
 
-    def _value_for(self, worker_index: int) -> Any:
+    def value_for(self, worker_index: int) -> Any:
         return PerWorkerResource(self.resource_id, worker_index)
 
     def __repr__(self) -> str:
         return f"PerWorkerValues(resource={self.resource_id})"
+
+
+def _is_per_worker(x: Any) -> bool:
+    return isinstance(x, PerWorkerValues)
+
+
+def resolve_per_worker(structure: Any, worker_index: int) -> Any:
+    """``structure`` with every :class:`PerWorkerValues` leaf replaced by worker ``worker_index``'s value."""
+    return jax.tree.map(
+        lambda x: x.value_for(worker_index) if isinstance(x, PerWorkerValues) else x, structure, is_leaf=_is_per_worker
+    )

@@ -94,31 +94,37 @@ def _eqn_rule(eqn: jcore.JaxprEqn, ins: list[bool], axis: str) -> list[bool]:
             return [True] * n_out
         out = [False] * n_out
         for br in p["branches"]:
-            out = [a or b for a, b in zip(out, _analyse(br.jaxpr, [False] * len(br.jaxpr.constvars), ops, axis))]
+            bj = _open(br)
+            out = [a or b for a, b in zip(out, _analyse(bj, [False] * len(bj.constvars), ops, axis))]
         return out
     if name == "while":
         cn, bn = p["cond_nconsts"], p["body_nconsts"]
         cconst, bconst, carry = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
         cj, bj = p["cond_jaxpr"], p["body_jaxpr"]
         while True:
-            new = _analyse(bj.jaxpr, [False] * len(bj.jaxpr.constvars), bconst + carry, axis)
+            new = _analyse(_open(bj), [False] * len(_open(bj).constvars), bconst + carry, axis)
             merged = [a or b for a, b in zip(carry, new)]
             if merged == carry:
                 break
             carry = merged
-        (pred,) = _analyse(cj.jaxpr, [False] * len(cj.jaxpr.constvars), cconst + carry, axis)
+        (pred,) = _analyse(_open(cj), [False] * len(_open(cj).constvars), cconst + carry, axis)
         # A replica-dependent trip count makes every carried value replica-dependent.
         return [True] * n_out if pred else carry
     if name == "scan":
-        nc, ncarry = p["num_consts"], p["num_carry"]
-        consts, carry, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
-        body = p["jaxpr"]
-        while True:
-            out = _analyse(body.jaxpr, [False] * len(body.jaxpr.constvars), consts + carry + xs, axis)
-            merged = [a or b for a, b in zip(carry, out[:ncarry])]
-            if merged == carry:
-                return merged + out[ncarry:]
-            carry = merged
+        counts = _scan_counts(p)
+        if counts is not None:
+            nc, ncarry = counts
+            consts, carry, xs = ins[:nc], ins[nc : nc + ncarry], ins[nc + ncarry :]
+            body = _open(p["jaxpr"])
+            while True:
+                out = _analyse(body, [False] * len(body.constvars), consts + carry + xs, axis)
+                merged = [a or b for a, b in zip(carry, out[:ncarry])]
+                if merged == carry:
+                    return merged + out[ncarry:]
+                carry = merged
+        # A loop whose layout this JAX version does not tell: conservative (sound) answer.
+        body = _open(p["jaxpr"])
+        return [any(ins) or _has_varying_source(body)] * n_out
     subs = list(jcore.jaxprs_in_params(p))
     if not subs:
         return [any(ins)] * n_out
@@ -129,6 +135,29 @@ def _eqn_rule(eqn: jcore.JaxprEqn, ins: list[bool], axis: str) -> list[bool]:
     if any(ins) or any(_has_varying_source(s) for s in subs):
         return [True] * n_out
     return [False] * n_out
+
+
+def _open(j: object) -> jcore.Jaxpr:
+    """The open jaxpr of a ClosedJaxpr, or the jaxpr itself (newer JAX hands scan bodies over open)."""
+    return getattr(j, "jaxpr", j)  # type: ignore[return-value]
+
+
+def _count_leaves(t: object) -> int:
+    return sum(_count_leaves(x) for x in t) if isinstance(t, (tuple, list)) else 1
+
+
+def _scan_counts(p: dict) -> tuple[int, int] | None:
+    """(consts, carry) counts of a scan equation, across JAX versions; None when unknown."""
+    if "num_consts" in p and "num_carry" in p:
+        return int(p["num_consts"]), int(p["num_carry"])
+    ft = p.get("ft_in")  # JAX >= 0.11: a flat tree of (consts, carry, xs); len() of a part counts its leaves
+    parts = getattr(ft, "elts", ft)
+    if isinstance(parts, (tuple, list)) and len(parts) == 3:
+        try:
+            return len(parts[0]), len(parts[1])
+        except TypeError:
+            return _count_leaves(parts[0]), _count_leaves(parts[1])
+    return None
 
 
 def _has_varying_source(jaxpr: jcore.Jaxpr) -> bool:

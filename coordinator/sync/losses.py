@@ -38,17 +38,23 @@ def compute_average_loss(
     ``strategy.run`` (or outside any strategy); the replicas' results add up
     to the mean loss over the global batch.
 
+    Padding rows of an uneven batch (TF's split of a short batch, see
+    ``experimental_distribute_dataset``) are left out by themselves: inside
+    ``run`` the losses of rows that are padding count as 0, so the result is
+    TF's for the replica's real rows.
+
     Args:
         per_example_loss: losses of rank >= 1, leading axis the examples.
+            Integer losses are promoted to float32 (the result is a mean).
         global_batch_size: examples in the global batch (a Python int or an
-            integer scalar array). ``None`` means this replica's row count
-            times ``num_replicas_in_sync`` (padding rows included).
+            integer scalar array). ``None`` means this replica's (real) row
+            count times ``num_replicas_in_sync``, as TF.
         sample_weight: optional per-example weights, broadcast against
-            ``per_example_loss`` (e.g. the mask of a padded batch from
+            ``per_example_loss`` (e.g. the mask of
             ``experimental_distribute_dataset(..., with_mask=True)``).
 
     Returns:
-        A scalar of the loss dtype.
+        A float scalar; 0 when ``global_batch_size`` is 0 (TF's ``div_no_nan``).
 
     Raises:
         ValueError: ``per_example_loss`` is a scalar, or ``global_batch_size``
@@ -56,6 +62,8 @@ def compute_average_loss(
         RuntimeError: called in a cross-replica context.
     """
     loss = jnp.asarray(per_example_loss)
+    if not jnp.issubdtype(loss.dtype, jnp.inexact):
+        loss = loss.astype(jnp.float32)
     dtype = loss.dtype
     if loss.ndim == 0:
         raise ValueError(
@@ -68,16 +76,23 @@ def compute_average_loss(
             raise ValueError(f"sample_weight of shape {w.shape} has a higher rank than the losses {loss.shape}")
         w = w.reshape(w.shape + (1,) * (loss.ndim - w.ndim))
         loss = (loss * w).astype(dtype)
+    rep = ctx_lib.get_replica_context()
+    mask = rep.row_mask(loss.shape[0], dtype) if rep is not None else None
+    if mask is not None:
+        loss = loss * mask.reshape(mask.shape + (1,) * (loss.ndim - 1))
     if global_batch_size is None:
         n = _num_replicas("compute_average_loss")
-        global_batch_size = loss.shape[0] * n
+        rows = rep.num_rows if (rep is not None and mask is not None) else loss.shape[0]
+        global_batch_size = jnp.asarray(rows, jnp.int32) * n
     elif isinstance(global_batch_size, bool) or not (
         isinstance(global_batch_size, (int, np.integer))
         or (hasattr(global_batch_size, "dtype") and jnp.issubdtype(global_batch_size.dtype, jnp.integer)
             and jnp.ndim(global_batch_size) == 0)
     ):
         raise ValueError(f"global_batch_size must be an integer scalar, got {global_batch_size!r}")
-    return (jnp.sum(loss) / jnp.asarray(global_batch_size).astype(dtype)).astype(dtype)
+    gbs = jnp.asarray(global_batch_size).astype(dtype)
+    total = jnp.sum(loss)
+    return jnp.where(gbs == 0, jnp.zeros((), dtype), total / jnp.where(gbs == 0, jnp.ones((), dtype), gbs)).astype(dtype)
 
 
 def scale_regularization_loss(regularization_loss: Any) -> Any:

@@ -86,6 +86,7 @@ from jaxdist.sync.coordination import (
     HeartbeatSender,
     PeerFailedError,
 )
+from jaxdist.sync import cross_device_ops as cdo
 from jaxdist.sync.reduce_op import ReduceOp
 from jaxdist.sync.strategy import _MeshStrategy
 
@@ -147,7 +148,12 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
     Args:
         cluster_resolver: where the tasks are; default :func:`jaxdist.base.cluster_resolver.detect`.
             The processes are the chief (if any) and the workers.
-        communication_options: accepted for TF compatibility and ignored.
+        communication_options: a :class:`jaxdist.CommunicationOptions`:
+            ``implementation`` (AUTO: one fused psum; RING: reduce-scatter +
+            all-gather; NCCL: GPUs only) and ``bytes_per_pack`` choose how
+            in-replica all-reduces are done; ``timeout_seconds`` fails the job
+            (:class:`PeerFailedError`, as ``on_peer_failure`` says) when a
+            step's collectives have not finished after that many seconds.
         peer_timeout_s: silence after which a peer is declared dead.
         heartbeat_interval_s: time between heartbeats.
         init_timeout_s: how long to wait for every process to join.
@@ -165,6 +171,10 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             died during bring-up.
     """
 
+    #: CommunicationOptions.timeout_seconds (None: no collective timeout).
+    _collective_timeout: float | None = None
+    _watched: tuple[float, list[Any] | None] | None = None
+
     def __init__(
         self,
         cluster_resolver: ClusterResolver | None = None,
@@ -178,7 +188,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         jax_heartbeat_timeout_s: int = _DEFAULT_JAX_HEARTBEAT_TIMEOUT_S,
         insecure: bool = False,
     ) -> None:
-        del communication_options
+        opts = cdo.check_options(communication_options, "MultiWorkerMirroredStrategy(communication_options=...)")
         if on_peer_failure not in ("abort", "raise"):
             raise E.ConfigurationError(f"on_peer_failure must be 'abort' or 'raise', got {on_peer_failure!r}")
         self._on_peer_failure_mode = on_peer_failure
@@ -211,6 +221,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             logger.info("MultiWorkerMirroredStrategy: single process, %d local device(s)", jax.local_device_count())
             self._rank, self._nproc, self._task = 0, 1, (f"{members[0][0]}:{members[0][1]}" if members else "local")
             super().__init__(jax.local_devices())
+            self._apply_communication_options(opts)
             return
 
         assert resolver is not None  # members came from it
@@ -294,6 +305,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             self._initialized_jax = True
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
             super().__init__(devices)
+            self._apply_communication_options(opts)
         except BaseException:
             if self._initialized_jax:
                 self._initialized_jax = False
@@ -401,11 +413,63 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             while not all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]
                 self._raise_if_failed()
                 time.sleep(_POLL_S)
-        return super()._dispatch(fn, *args)
+        watch = self._collective_timeout is not None and not any(
+            isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)
+        )
+        if watch:
+            # Watched from before the call: the first collective's set-up (e.g. gloo's rendezvous with the
+            # peers) happens inside the dispatch itself and would otherwise wait unwatched.
+            self._watched = (time.monotonic(), None)
+        out = super()._dispatch(fn, *args)
+        if watch:
+            self._watched = (self._watched[0] if self._watched else time.monotonic(),
+                             [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)])
+        return out
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def _apply_communication_options(self, opts: cdo.CommunicationOptions | None) -> None:
+        """How collectives are done (implementation, packs) and the collective timeout."""
+        self._communication_options = opts
+        self._collective_timeout: float | None = None
+        self._watched: tuple[float, list[Any] | None] | None = None
+        if opts is None:
+            return
+        plan = cdo.plan_from_options(opts, self._platform())
+        if plan is not None:
+            self._cross_device_ops = plan
+        self._collective_timeout = opts.timeout
+        if self._collective_timeout is not None:
+            threading.Thread(target=self._watch_timeout, name="jaxdist-collective-timeout", daemon=True).start()
+
+    def _watch_timeout(self) -> None:
+        """Fail the job when a dispatched step has not finished within timeout_seconds (TF: DeadlineExceeded)."""
+        assert self._collective_timeout is not None
+        limit = self._collective_timeout
+        period = min(0.1, limit / 10)
+        while not self._closed and self._failure is None:
+            time.sleep(period)
+            watched = self._watched
+            if watched is None:
+                continue
+            t0, leaves = watched
+            if leaves is not None and all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]
+                self._watched = None
+                continue
+            if time.monotonic() - t0 > limit:
+                self._handle_failure(
+                    PeerFailedError(
+                        f"a step's collectives did not finish within CommunicationOptions(timeout_seconds={limit}) "
+                        "(a peer is stuck or too slow)",
+                        task=self._task,
+                        rank=self._rank,
+                    )
+                )
+                return
+
+    def _run(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None, steps: int | None = None
+    ) -> Any:
         with self._typed_errors():
-            return super().run(fn, args, kwargs)
+            return super()._run(fn, args, kwargs, steps)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         with self._typed_errors():

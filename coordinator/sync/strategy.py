@@ -3,45 +3,56 @@
 Every mesh strategy lays its replicas on a 1-D :class:`jax.sharding.Mesh`
 whose single axis is named ``"replica"`` (:data:`AXIS`):
 
-- A *replicated* value (TF: mirrored variable) is a ``jax.Array`` with
-  ``NamedSharding(mesh, PartitionSpec())``: one logical value, an identical copy
-  on every replica's device. :meth:`Strategy.replicate` makes them; use it in
-  ``strategy.scope()`` for model and optimizer state ("variables").
+- A *variable* created in ``strategy.scope()``
+  (:func:`jaxdist.create_variables`, ``strategy.create_variables``) is a
+  :class:`~jaxdist.sync.variables.SyncVariable`: mirrored on every replica
+  (or, for metrics, one part per replica). ``run`` threads the variables
+  ``fn`` uses through the compiled step: reads see the current value,
+  ``assign`` updates it, as in TF.
+- A *replicated* value is a ``jax.Array`` with ``NamedSharding(mesh,
+  PartitionSpec())``: one logical value, an identical copy on every replica.
+  :meth:`Strategy.replicate` makes them (the functional style, where ``fn``
+  takes and returns its state).
 - A *per-replica* value is a :class:`~jaxdist.sync.values.PerReplica`.
 - :meth:`Strategy.run` compiles ``fn`` once per input signature with
   ``jax.jit(jax.shard_map(...))`` over the mesh, so inside ``fn``
   ``jax.lax.psum(x, "replica")`` and
   ``jaxdist.get_replica_context().all_reduce(op, x)`` are XLA collectives in
-  the same compiled step. Inside ``fn`` values follow TF's semantics: a
-  replicated argument is the same on every replica, a per-replica argument is
-  that replica's slice, and gradients with respect to replicated parameters
-  are *per-replica* until ``fn`` all-reduces them. Outputs that are provably
-  the same on every replica (computed from replicated inputs and all-reduced
-  values, see :mod:`jaxdist.sync._varying`) come back replicated; all
-  others come back as ``PerReplica``.
+  the same compiled step. Gradients with respect to replicated values are
+  *per-replica* until ``fn`` all-reduces them, as in TF; outputs that are
+  provably the same on every replica (see :mod:`jaxdist.sync._varying`) come
+  back replicated, all others as ``PerReplica``.
 
-A full training step therefore compiles to one XLA program::
+TF's custom-training-loop pattern, with no hand-written all-reduce::
 
     strategy = jaxdist.MirroredStrategy()
     with strategy.scope():
-        params = strategy.replicate(init_params(key))
-        opt_state = strategy.replicate(tx.init(params))
+        params = jaxdist.create_variables(init_params(key))      # mirrored variables
+        optimizer = jaxdist.Optimizer(optax.adam(1e-3))           # all-reduces like TF's
+        accuracy = jaxdist.metrics.SparseCategoricalAccuracy()
 
-    def train_step(params, opt_state, batch):
+    def train_step(batch):
+        x, y = batch
         def loss_fn(p):
-            per_example = loss(p, batch)
-            return jaxdist.compute_average_loss(per_example, GLOBAL_BATCH)
-        loss_value, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jaxdist.get_replica_context().all_reduce("sum", grads)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss_value
+            logits = apply(p, x)
+            per_example = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            return jaxdist.compute_average_loss(per_example, GLOBAL_BATCH), logits
+        (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(jaxdist.read_variables(params))
+        optimizer.apply(grads, params)
+        accuracy.update_state(y, logits)
+        return loss
+
+    @jaxdist.function                                               # TF: @tf.function
+    def distributed_train_step(batch):
+        losses = strategy.run(train_step, args=(batch,))
+        return strategy.reduce("sum", losses, axis=None)
 
     for batch in strategy.experimental_distribute_dataset(batches):
-        params, opt_state, loss = strategy.run(train_step, args=(params, opt_state, batch))
-        # params, opt_state: replicated; loss: PerReplica
-        total = strategy.reduce("sum", loss, axis=None)
+        loss = distributed_train_step(batch)
 
-which computes exactly what single-device training on the global batch does.
+``strategy.run_steps(train_step, iterator, steps=k)`` runs ``k`` steps in one
+compiled call (``lax.scan``; TF's ``steps_per_execution``) and
+``strategy.run_epoch(train_step, dataset)`` a whole epoch.
 """
 
 from __future__ import annotations
@@ -50,24 +61,31 @@ import contextlib
 import logging
 import os
 import threading
+import types
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
-import jax.extend.core as jcore
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.sync import context as ctx_lib
-from jaxdist.sync._varying import varying_outputs
 from jaxdist.base.input_context import InputContext, ValueContext
+from jaxdist.sync import context as ctx_lib
+from jaxdist.sync import cross_device_ops as cdo
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.values import PerReplica, is_per_replica
+from jaxdist.sync.values import MirroredRegistry, PerReplica, is_per_replica
+from jaxdist.sync.variables import (
+    SyncVariable,
+    VariableAggregation,
+    VariableSynchronization,
+    _aggregate_stacked,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +109,23 @@ AXIS = "replica"
 #: memory that executables of one-off lambdas could pin.
 _RUN_CACHE_SIZE = 64
 
+#: A function whose captured globals change on this many consecutive calls is
+#: retraced each time (correct, but slow): warn once, naming the global.
+_RETRACE_WARN_AFTER = 3
+
 #: Set to a JAX platform name ("cpu") to let TPUStrategy run its code path on
 #: that platform's devices when no TPU is present (tests, development).
 ENV_TPU_FAKE_DEVICES = "JAXDIST_TPU_FAKE_DEVICES"
 
-_PER_REPLICA, _REPLICATED, _STATIC = "per_replica", "replicated", "static"
+_PER_REPLICA, _REPLICATED, _STATIC, _ROWS = "per_replica", "replicated", "static", "rows"
 
 
 def _is_array_like(x: object) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+
+
+def _is_tracer(x: object) -> bool:
+    return isinstance(x, jax.core.Tracer)
 
 
 def _check_run_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
@@ -112,29 +138,138 @@ def _check_run_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
+def _check_run_options(options: Any) -> None:
+    if options is not None:
+        raise ConfigurationError(
+            "strategy.run(options=...): TF's tf.distribute.RunOptions only tune TPUStrategy's dynamic-shape "
+            "handling (bucketizing, dynamic batch sizes); jaxdist compiles static shapes, pads short batches "
+            "itself (see experimental_distribute_dataset) and has no such options. Leave options=None"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# The run-cache trap: functions whose captured globals changed since they were traced
+# ---------------------------------------------------------------------------------------
+
+#: Modules whose functions are library code, not user code: not scanned for captured globals.
+_LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "optax", "jaxdist", "flax", "haiku", "equinox", "chex", "ml_dtypes")
+
+
+def _fn_key(fn: Callable[..., Any]) -> Any:
+    """Cache key of a callable: bound methods by (function, instance id), others by identity."""
+    if isinstance(fn, types.MethodType):
+        return ("method", fn.__func__, id(fn.__self__))
+    return fn
+
+
+def _code_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            names |= _code_names(c)
+    return names
+
+
+def _captures(fn: Callable[..., Any], depth: int = 0, seen: set[int] | None = None) -> list[tuple[Any, Any, Any]]:
+    """``(holder, key, value)`` for every global and closure cell ``fn`` (and user functions it calls) reads.
+
+    A cached compiled program bakes these values in; if one is rebound, the
+    program is stale. Functions of libraries (jax, numpy, optax, jaxdist...)
+    are not scanned. Attribute lookups (``self.model``) and in-place
+    mutation of an array are not visible here.
+    """
+    seen = set() if seen is None else seen
+    f = fn.__func__ if isinstance(fn, types.MethodType) else fn
+    if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
+        f = f.func
+    code = getattr(f, "__code__", None)
+    if code is None or id(f) in seen or depth > 2:
+        return []
+    seen.add(id(f))
+    out: list[tuple[Any, Any, Any]] = []
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            out.append((cell, None, cell.cell_contents))
+        except ValueError:  # an empty cell (a name assigned later)
+            pass
+    glb = getattr(f, "__globals__", {})
+    for name in sorted(_code_names(code)):
+        if name in glb:
+            out.append((glb, name, glb[name]))
+    for _, _, v in list(out):
+        if isinstance(v, types.FunctionType) and not str(getattr(v, "__module__", "") or "").startswith(
+            _LIBRARY_PREFIXES
+        ):
+            out.extend(_captures(v, depth + 1, seen))
+    return out
+
+
+def _changed_capture(caps: list[tuple[Any, Any, Any]]) -> str | None:
+    """The name of the first captured global/cell that no longer holds the traced object, else None."""
+    for holder, key, value in caps:
+        if key is None:
+            try:
+                now = holder.cell_contents
+            except ValueError:
+                return "<closure cell>"
+            if now is not value:
+                return "<closure variable>"
+        elif holder.get(key, _MISSING) is not value:
+            return str(key)
+    return None
+
+
+_MISSING = object()
+
+
+# ---------------------------------------------------------------------------------------
+# Strategy base
+# ---------------------------------------------------------------------------------------
+
+
 class Strategy:
-    """Base class of every strategy (TF's ``tf.distribute.Strategy``).
+    """Base class of every synchronous strategy (TF's ``tf.distribute.Strategy``).
 
     Subclasses differ in where variables live and which devices compute; the
     API is the same. Methods documented "cross-replica" must not be called
-    from inside ``fn`` in :meth:`run` (use the :class:`ReplicaContext` there).
+    from inside ``fn`` in :meth:`run` (use the :class:`ReplicaContext` there,
+    or ``merge_call``).
     """
 
     _is_default = False
 
     def __init__(self) -> None:
         self._default_replica_context = ctx_lib.ReplicaContext(self, None)
+        self._cross_device_ops: cdo.CrossDeviceOps = cdo.CrossDeviceOps()
+        self._communication_options: cdo.CommunicationOptions | None = None
+        self._variables: dict[str, SyncVariable] = {}
+        self._var_names: dict[str, int] = {}
+        self._var_lock = threading.Lock()
+        #: Optimizers whose state lives in this strategy (checkpoints store their state per variable).
+        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._mirrored = MirroredRegistry()
+        self._extended: Any = None
+        self._jit_cache: dict[Any, Any] = {}
 
     # -- context -----------------------------------------------------------------
 
     def scope(self) -> contextlib.AbstractContextManager[Strategy]:
         """Make this the current strategy for the block (``jaxdist.get_strategy()`` returns it).
 
-        Inside the scope, :func:`jaxdist.sync.replicate` places values as this
+        Inside the scope, :func:`jaxdist.create_variables` makes this
         strategy's variables and the loss helpers use its replica count.
         Entering another strategy's scope inside it raises ConfigurationError.
         """
         return ctx_lib.enter_scope(self)
+
+    @property
+    def extended(self) -> Any:
+        """TF's ``strategy.extended`` (:class:`jaxdist.sync.extended.StrategyExtended`)."""
+        if self._extended is None:
+            from jaxdist.sync.extended import StrategyExtended
+
+            self._extended = StrategyExtended(self)
+        return self._extended
 
     @property
     def num_replicas_in_sync(self) -> int:
@@ -147,29 +282,108 @@ class Strategy:
         return None
 
     def _check_cross_replica(self, method: str) -> None:
-        if ctx_lib._state.replica:
+        if ctx_lib._state.replica and not ctx_lib._state.merge:
             raise RuntimeError(
                 f"strategy.{method}() was called inside strategy.run(fn): it is a cross-replica method. "
-                "Inside fn use jaxdist.get_replica_context().all_reduce/all_gather instead"
+                "Inside fn use jaxdist.get_replica_context().all_reduce/all_gather (or merge_call) instead"
             )
+
+    # -- variables -----------------------------------------------------------------
+
+    @property
+    def variables(self) -> dict[str, SyncVariable]:
+        """Every variable created in this strategy's scope, by name."""
+        return dict(self._variables)
+
+    def create_variable(self, initial_value: Any, **kwargs: Any) -> SyncVariable:
+        """A variable of this strategy (see :func:`jaxdist.sync.variables.create_variable`)."""
+        from jaxdist.sync.variables import create_variable
+
+        return create_variable(initial_value, strategy=self, **kwargs)
+
+    def create_variables(self, tree: Any, **kwargs: Any) -> Any:
+        """A tree of variables of this strategy (see :func:`jaxdist.sync.variables.create_variables`)."""
+        from jaxdist.sync.variables import create_variables
+
+        return create_variables(tree, strategy=self, **kwargs)
+
+    def _unique_name(self, name: str | None) -> str:
+        """The variable's checkpoint key.
+
+        An explicit name is kept as it is: a variable created again under a
+        name in use takes its place in the strategy's registry (what
+        :class:`jaxdist.Checkpoint` saves and restores), so "build a fresh
+        model, then restore" works as in TF, where checkpoints follow the
+        objects. Unnamed variables are numbered ``Variable``, ``Variable_1``...
+        """
+        if name:
+            return name
+        with self._var_lock:
+            n = self._var_names.get("Variable", 0)
+            cand = "Variable" if n == 0 else f"Variable_{n}"
+            while cand in self._variables:
+                n += 1
+                cand = f"Variable_{n}"
+            self._var_names["Variable"] = n + 1
+        return cand
+
+    def _create_sync_variable(
+        self,
+        value: jax.Array,
+        name: str | None,
+        trainable: bool,
+        sync: VariableSynchronization,
+        agg: VariableAggregation,
+        checkpoint: bool,
+    ) -> SyncVariable:
+        frame = ctx_lib.current_frame()
+        if frame is not None and not frame.discover:
+            raise ConfigurationError(
+                f"variable {name!r} is created inside compiled code (strategy.run / jaxdist.function) after its "
+                "first trace. Create variables in strategy.scope() before the loop (as in TF, where tf.function "
+                "supports only variables created on its first call); jaxdist.Optimizer and jaxdist.metrics "
+                "create theirs when they are built"
+            )
+        vname = self._unique_name(name)
+        with ctx_lib.outside_frames(), jax.ensure_compile_time_eval():
+            if sync is VariableSynchronization.ON_READ:
+                stored = self._store_on_read(jnp.broadcast_to(value[None], (self.num_replicas_in_sync, *value.shape)))
+            else:
+                stored = self._store_variable(value)
+        var = SyncVariable(self, vname, stored, value.shape, value.dtype, trainable, sync, agg, checkpoint)
+        self._variables[vname] = var
+        return var
+
+    def _store_variable(self, x: Any) -> Any:
+        """Where a mirrored variable's value lives (the default strategy: the default device)."""
+        return jnp.asarray(x)
+
+    def _store_on_read(self, stacked: Any) -> Any:
+        """Where a sync-on-read variable's per-replica parts live."""
+        return jnp.asarray(stacked)
+
+    def _aggregate_on_read(self, stacked: Any, aggregation: VariableAggregation) -> Any:
+        """Cross-replica read of a sync-on-read variable: its parts combined by ``aggregation``."""
+        return _aggregate_stacked(jnp.asarray(stacked), aggregation)
 
     # -- API implemented by subclasses ----------------------------------------------
 
     def replicate(self, value: Any) -> Any:
-        """Place every array leaf of ``value`` as a variable of this strategy (cross-replica).
-
-        Mesh strategies return replicated ``jax.Array``s (one copy per
-        replica); :class:`CentralStorageStrategy` keeps them on its parameter
-        device; the default strategy returns ``jnp`` arrays on the default device.
-        """
+        """Place every array leaf of ``value`` as a replicated value of this strategy (cross-replica)."""
         raise NotImplementedError
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` on every replica in one compiled step; see the subclasses."""
         raise NotImplementedError
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Reduce per-replica values to one replicated value (cross-replica); see the subclasses."""
+        """Reduce per-replica values to one value (cross-replica); see the subclasses."""
         raise NotImplementedError
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -184,6 +398,8 @@ class Strategy:
         """Per-replica values from ``value_fn(ValueContext(replica_id, num_replicas))``; see the subclasses."""
         raise NotImplementedError
 
+    # -- input ------------------------------------------------------------------------
+
     def experimental_distribute_dataset(
         self,
         dataset: Iterable[Any],
@@ -192,48 +408,50 @@ class Strategy:
         with_mask: bool = False,
         drop_remainder: bool = False,
     ) -> Any:
-        """Split each global batch of ``dataset`` across the replicas.
+        """Split each global batch of ``dataset`` across the replicas, as TF does.
 
         Args:
-            dataset: any iterable of batches; a batch is a pytree (tuple, dict,
-                ...) of arrays that share their leading (batch) dimension.
-                The first batch fixes the nominal global batch size ``B``.
-                Iterating the result iterates ``dataset`` again (a generator
-                can be iterated once). In a multi-process job every process
-                must iterate the same global batches in the same order; each
-                keeps its own replicas' rows.
-            with_mask: yield ``(batch, mask)`` instead of ``batch``: every batch
-                is zero-padded to ``ceil(B / R) * R`` rows (R replicas) so one
-                compiled step serves them all, and ``mask`` (per-replica,
-                float32, 1 real / 0 padding) marks the real rows. Pass it as
-                ``sample_weight`` to :func:`jaxdist.compute_average_loss`.
+            dataset: a re-iterable of batches (a list, or an object whose
+                ``__iter__`` starts a fresh pass: every epoch iterates it
+                again); a batch is a pytree (tuple, dict, ...) of arrays that
+                share their leading (batch) dimension. A one-shot iterator (a
+                generator) is accepted for one pass only: a second pass
+                raises ConfigurationError instead of silently yielding
+                nothing. The first batch fixes the nominal global batch size
+                ``B``. In a multi-process job every process must iterate the
+                same global batches in the same order; each keeps its own
+                replicas' rows.
+            options: a :class:`jaxdist.InputOptions` (TF's
+                ``tf.distribute.InputOptions``); see its documentation for
+                what each field does here.
+            with_mask: yield ``(batch, mask)`` instead of ``batch``: ``mask``
+                (per-replica, float32) is 1 for real rows and 0 for padding.
             drop_remainder: skip batches with fewer than ``B`` rows.
-            options: accepted for TF compatibility (``tf.distribute.InputOptions``) and ignored.
 
         Returns:
-            An iterable of distributed batches: leaves are ``PerReplica`` of
-            shape ``(R, rows_per_replica, ...)`` (plain arrays for
-            OneDeviceStrategy and the default strategy). Replica ``r`` gets
-            rows ``[r*b, (r+1)*b)`` of the (padded) global batch.
+            An iterable of distributed batches: leaves are ``PerReplica``
+            (plain arrays for OneDeviceStrategy and the default strategy).
 
-        Short batches (fewer than ``B`` rows, normally the last one): TF hands
-        replicas uneven or empty slices; XLA needs static shapes, so jaxdist
-        does one of three exact things:
-
-        - ``drop_remainder=True``: the batch is skipped;
-        - ``with_mask=True``: the batch is zero-padded; replicas are filled in
-          order with ``b`` rows each, so, as in TF, the first replicas get full
-          slices and later ones fewer or no real rows (only zeros with mask 0);
-        - otherwise, if the row count ``n`` is divisible by ``R`` each replica
-          gets ``n / R`` rows (one extra compilation for the new shape); if not,
-          :class:`~jaxdist.base.errors.ConfigurationError` is raised naming both
-          options. The same applies when ``B`` itself is not divisible by ``R``.
+        The split is TF's for input without a static batch size (a Python
+        iterable, like ``tf.data.Dataset.from_generator``): a batch of ``n``
+        rows gives replica ``r`` rows ``[r*b, min((r+1)*b, n))`` with
+        ``b = ceil(n / R)``, so 20 rows over 8 replicas give
+        ``[3, 3, 3, 3, 3, 3, 2, 0]`` rows. XLA needs static shapes: every
+        replica's slice is zero-padded to ``ceil(B / R)`` rows (one compiled
+        step serves every batch) and the real counts travel with the batch
+        (:attr:`PerReplica.row_counts`). ``values`` and
+        ``experimental_local_results`` give the real rows; inside ``run``,
+        :func:`jaxdist.compute_average_loss` and the ``jaxdist.metrics``
+        objects ignore padding rows by themselves, and
+        ``get_replica_context().row_mask()`` gives the mask for anything
+        else. A step whose ``fn`` uses none of them while a replica holds
+        padding raises ConfigurationError before it runs (with
+        ``with_mask=True`` the mask is yours to apply and no check is made).
         """
         from jaxdist.sync.input_lib import DistributedDataset
 
-        del options
         self._check_cross_replica("experimental_distribute_dataset")
-        return DistributedDataset(self, dataset, with_mask=with_mask, drop_remainder=drop_remainder)
+        return DistributedDataset(self, dataset, with_mask=with_mask, drop_remainder=drop_remainder, options=options)
 
     def distribute_datasets_from_function(
         self,
@@ -245,23 +463,118 @@ class Strategy:
         """Build one input pipeline per process with ``dataset_fn(input_context)``.
 
         As in TF, ``dataset_fn`` gets an :class:`InputContext` (one pipeline
-        per process) and must return batches of the *per-replica* batch size
+        per process, or one per replica with
+        ``InputOptions(experimental_replication_mode=PER_REPLICA)``) and must
+        return batches of the *per-replica* batch size
         (``input_context.get_per_replica_batch_size(global_batch_size)``),
         sharded as it sees fit (``input_pipeline_id``). Each step takes one
-        batch per local replica, in order. The first batch fixes the per-replica
-        size ``b``. When a pipeline runs short (a batch of fewer than ``b`` rows,
-        or fewer batches than local replicas at the end): with ``with_mask=True``
-        the missing rows are zero padding with mask 0 (replicas may get empty
-        batches, as in TF); otherwise, if every replica still gets the same
-        number of rows they are delivered as they are, else ConfigurationError.
-        Iteration ends when every pipeline is exhausted. ``options`` is
-        accepted for TF compatibility and ignored.
+        batch per local replica, in order. The first batch fixes the
+        per-replica size ``b``; a shorter batch, or a replica left without
+        one when a pipeline runs out, is delivered as TF does (fewer or no
+        rows), padded to ``b`` rows with the counts attached as for
+        :meth:`experimental_distribute_dataset`. Iteration ends when every
+        pipeline is exhausted; every pass calls ``dataset_fn`` again.
         """
         from jaxdist.sync.input_lib import DistributedDataset
 
-        del options
         self._check_cross_replica("distribute_datasets_from_function")
-        return DistributedDataset(self, dataset_fn, with_mask=with_mask, per_replica_fn=True)
+        return DistributedDataset(self, dataset_fn, with_mask=with_mask, per_replica_fn=True, options=options)
+
+    # -- compiled loops ---------------------------------------------------------------
+
+    def run_steps(
+        self,
+        fn: Callable[..., Any],
+        iterator: Iterator[Any],
+        steps: int,
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Run ``fn(batch, *args, **kwargs)`` on up to ``steps`` batches of ``iterator`` in ONE compiled call.
+
+        TF's ``steps_per_execution`` (and the tutorial's ``train_multiple_steps``):
+        the batches are stacked and a ``lax.scan`` inside the compiled step
+        runs ``fn`` once per batch, threading the variables ``fn`` updates
+        from one step to the next, so Python dispatches once per ``steps``.
+        Fewer batches than ``steps`` left: those are run (one more
+        compilation for that count).
+
+        Args:
+            fn: the replica function, as for :meth:`run`; its first argument is the batch.
+            iterator: an iterator of distributed batches (``iter(dist_dataset)``).
+            steps: the most steps to run in this call.
+            args, kwargs: further arguments, the same for every step.
+
+        Returns:
+            ``fn``'s outputs with a leading steps axis (a per-replica output's
+            per-replica value gains it: ``strategy.reduce("sum", losses)``
+            gives one total per step), or None if ``iterator`` had no batch left.
+        """
+        if not isinstance(steps, (int, np.integer)) or steps < 1:
+            raise ValueError(f"steps must be a positive integer, got {steps!r}")
+        batches = []
+        for _ in range(int(steps)):
+            try:
+                batches.append(next(iterator))
+            except StopIteration:
+                break
+        if not batches:
+            return None
+        return self._run_stacked(fn, batches, args, kwargs)
+
+    def run_epoch(
+        self,
+        fn: Callable[..., Any],
+        dataset: Iterable[Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """One pass over ``dataset`` in ONE compiled call (TF's ``distributed_train_epoch``).
+
+        Every batch of the pass is fetched first (they must fit in device
+        memory together), then run as :meth:`run_steps` does.
+
+        Returns:
+            ``fn``'s outputs with a leading steps axis, or None for an empty dataset.
+        """
+        batches = list(iter(dataset))
+        if not batches:
+            return None
+        return self._run_stacked(fn, batches, args, kwargs)
+
+    def _run_stacked(self, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    # -- collectives -------------------------------------------------------------------
+
+    def _check_options(self, options: Any, what: str) -> cdo.CommunicationOptions | None:
+        opts = cdo.check_options(options, what)
+        if opts is not None and opts.timeout is not None:
+            raise ConfigurationError(
+                f"{what}: CommunicationOptions(timeout_seconds=...) per call is not supported: the collectives of a "
+                "step run inside one compiled program. Set it for the whole job with "
+                "MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=...)) "
+                "(it applies to collectives between processes only, as in TF)"
+            )
+        return opts
+
+    def _collective_plan(self, options: Any, what: str) -> cdo.CrossDeviceOps:
+        opts = self._check_options(options, what)
+        if opts is not None:
+            plan = cdo.plan_from_options(opts, self._platform())
+            if plan is not None:
+                return plan
+        return self._cross_device_ops
+
+    def _platform(self) -> str:
+        return jax.devices()[0].platform
+
+    def _in_replica_all_reduce(self, op: ReduceOp, value: Any, options: Any = None) -> Any:
+        rep = ctx_lib.current_replica()
+        if rep is None or rep.axis_name is None:
+            return jax.tree.map(jnp.asarray, value)
+        plan = self._collective_plan(options, "all_reduce")
+        return cdo.all_reduce(plan, op is ReduceOp.MEAN, value, rep.axis_name, self.num_replicas_in_sync)
 
     # -- helpers shared with input_lib -----------------------------------------------
 
@@ -274,9 +587,13 @@ class Strategy:
     def _num_processes(self) -> int:
         return 1
 
-    def _distribute_local(self, stacked_local: np.ndarray) -> Any:
+    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
         """``stacked_local[i]`` is local replica i's value -> what the dataset yields."""
         raise NotImplementedError
+
+    def _replica_devices(self) -> list[Any]:
+        """The local replicas' devices, in local replica order."""
+        return [jax.devices()[0]]
 
 
 # ---------------------------------------------------------------------------------------
@@ -287,21 +604,33 @@ class Strategy:
 class _DefaultStrategy(Strategy):
     """The pass-through strategy that is current outside any scope (one replica).
 
-    ``run`` calls ``fn`` directly (no compilation added), collectives are
-    identities, ``reduce`` over replicas is the identity and datasets are
-    yielded unchanged (padded and masked only with ``with_mask=True``).
+    ``run`` calls ``fn`` directly (no compilation added; wrap the caller in
+    :func:`jaxdist.function` to compile), collectives are identities,
+    ``reduce`` over replicas is the identity and datasets are yielded
+    unchanged (padded and masked only with ``with_mask=True``).
     """
 
     _is_default = True
+    #: Datasets yield the batch itself (one replica), not PerReplica values.
+    _yields_plain_arrays = True
 
     @property
     def num_replicas_in_sync(self) -> int:
         return 1
 
     def replicate(self, value: Any) -> Any:
+        if any(isinstance(x, PerReplica) for x in jax.tree.leaves(value, is_leaf=is_per_replica)):
+            raise TypeError("replicate() got a PerReplica value: reduce or gather it first")
         return jax.tree.map(lambda x: jnp.asarray(x) if _is_array_like(x) else x, value)
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
+        _check_run_options(options)
         args, kwargs = _check_run_args(args, kwargs)
         with ctx_lib.enter_replica(self._default_replica_context):
             return fn(*args, **kwargs)
@@ -312,8 +641,9 @@ class _DefaultStrategy(Strategy):
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                x = x.stacked
-                return _reduce_stacked(jnp.asarray(x), op, axis)
+                return _reduce_stacked(jnp.asarray(x.stacked), op, axis, x.row_counts)
+            if isinstance(x, SyncVariable):
+                x = x.value()
             x = jnp.asarray(x)
             if axis is None:
                 return x
@@ -323,11 +653,13 @@ class _DefaultStrategy(Strategy):
 
     def gather(self, value: Any, axis: int) -> Any:
         self._check_cross_replica("gather")
-        return jax.tree.map(
-            lambda x: _gather_stacked(jnp.asarray(x.stacked), axis) if isinstance(x, PerReplica) else jnp.asarray(x),
-            value,
-            is_leaf=is_per_replica,
-        )
+
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return _gather_rows(x, axis)
+            return x  # a non-distributed value is returned unchanged, as in TF
+
+        return jax.tree.map(one, value, is_leaf=is_per_replica)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, PerReplica):
@@ -337,8 +669,16 @@ class _DefaultStrategy(Strategy):
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         return value_fn(ValueContext(0, 1))
 
-    def _distribute_local(self, stacked_local: np.ndarray) -> Any:
-        return stacked_local[0]
+    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
+        # One replica gets the whole batch: as TF, it is yielded as it is (padded only when a mask is asked for,
+        # i.e. guard=False).
+        x = stacked_local[0]
+        return x[: int(rows[0])] if rows is not None and guard else x
+
+    def _run_stacked(self, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
+        from jaxdist.sync.loops import default_run_stacked
+
+        return default_run_stacked(self, fn, batches, args, kwargs)
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
@@ -358,17 +698,35 @@ def default_strategy() -> Strategy:
 
 
 def replicate(value: Any) -> Any:
-    """Place ``value``'s arrays as variables of the current strategy (``get_strategy().replicate``).
-
-    Inside ``with strategy.scope():`` this is ``strategy.replicate(value)``:
-    the way to create "variables in scope".
-    """
+    """Place ``value``'s arrays as replicated values of the current strategy (``get_strategy().replicate``)."""
     return ctx_lib.get_strategy().replicate(value)
 
 
-def _reduce_stacked(x: jax.Array, op: ReduceOp, axis: int | None) -> jax.Array:
-    axes: tuple[int, ...] = (0,) if axis is None else (0, _norm_axis(axis, x.ndim - 1) + 1)
-    return jnp.sum(x, axes) if op is ReduceOp.SUM else jnp.mean(x, axes)
+def _row_mask_nd(stacked: Any, rows: Any) -> Any:
+    """``(R, b, 1, ...)`` mask of real rows for a stacked per-replica batch ``(R, b, ...)``."""
+    b = stacked.shape[1]
+    m = jnp.arange(b)[None, :] < jnp.asarray(rows)[:, None]
+    return m.reshape(m.shape + (1,) * (stacked.ndim - 2))
+
+
+def _reduce_stacked(x: Any, op: ReduceOp, axis: int | None, rows: Any = None) -> Any:
+    """Reduce ``(R, ...)`` over replicas (and ``axis`` of each value); padding rows do not count."""
+    if axis is None:
+        return (jnp.sum(x, 0) if op is ReduceOp.SUM else jnp.mean(x, 0)).astype(_result_dtype(x, op))
+    ax = _norm_axis(axis, x.ndim - 1) + 1
+    if rows is not None and ax == 1:
+        mask = _row_mask_nd(x, rows)
+        total = jnp.sum(jnp.where(mask, x, jnp.zeros_like(x)), axis=(0, 1))
+        if op is ReduceOp.SUM:
+            return total
+        return total / jnp.maximum(jnp.sum(jnp.asarray(rows)), 1)
+    return jnp.sum(x, (0, ax)) if op is ReduceOp.SUM else jnp.mean(x, (0, ax))
+
+
+def _result_dtype(x: Any, op: ReduceOp) -> Any:
+    if op is ReduceOp.MEAN and not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.float32
+    return x.dtype
 
 
 def _gather_stacked(x: jax.Array, axis: int) -> jax.Array:
@@ -381,10 +739,37 @@ def _gather_stacked(x: jax.Array, axis: int) -> jax.Array:
     return moved.reshape(shape)
 
 
+def _gather_rows(x: PerReplica, axis: int) -> Any:
+    """Gather a (host-side) PerReplica, keeping only real rows of an uneven batch."""
+    stacked = jnp.asarray(x.stacked)
+    rows = x._host_rows()
+    if rows is None:
+        return _gather_stacked(stacked, axis)
+    if _norm_axis(axis, stacked.ndim - 1) != 0:
+        raise ValueError("an uneven batch (with row counts) can only be gathered along axis 0, its batch axis")
+    idx = np.concatenate([r * stacked.shape[1] + np.arange(int(n)) for r, n in enumerate(rows)]).astype(np.int32)
+    return jnp.take(_gather_stacked(stacked, 0), idx, axis=0)
+
+
 def _norm_axis(axis: int, ndim: int) -> int:
     if not -ndim <= axis < ndim:
         raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}")
     return axis % ndim
+
+
+def _non_distributed_reduce(op: ReduceOp, x: Any, axis: int | None, r: int) -> Any:
+    """TF's ``reduce_non_distributed_value``: a value made outside the strategy."""
+    if axis is None:
+        if isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0:
+            return 0
+        if op is ReduceOp.MEAN or r == 1:
+            return x
+        raise ValueError(
+            f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op {op}. "
+            "(TF raises this too: the same value on every replica has no defined SUM.) Reduce a per-replica "
+            "value (strategy.run's output), multiply by strategy.num_replicas_in_sync yourself, or use MEAN"
+        )
+    return None  # handled by the caller (axis reduction per replica, as TF's run(reduce_sum))
 
 
 # ---------------------------------------------------------------------------------------
@@ -399,6 +784,20 @@ class _Program:
     jitted: Callable[..., Any]
     out_tree: Any
     out_varying: list[bool]
+    variables: list[SyncVariable]
+    assigned: list[SyncVariable]
+    rows_used: bool
+    captures: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    owner: Any = None  # weakref to a bound method's instance
+    retraces: int = 0
+
+
+@dataclass
+class _RowsInfo:
+    rows: Any  # the per-replica row counts (global array (R,) or (R, steps)), or a tracer
+    host: np.ndarray | None
+    padded: int
+    guard: bool
 
 
 class _MeshStrategy(Strategy):
@@ -458,10 +857,18 @@ class _MeshStrategy(Strategy):
         """How many times :meth:`run` traced a function (a new function or input signature)."""
         return self._trace_count
 
+    def _platform(self) -> str:
+        return self._devices[0].platform
+
+    def _replica_devices(self) -> list[Any]:
+        return [self._devices[i] for i in self._local_ids]
+
     # -- placement -----------------------------------------------------------------
 
     def _to_replicated(self, x: Any) -> jax.Array:
         """``x`` as an array replicated on the mesh (no copy if it already is)."""
+        if _is_tracer(x):
+            return x
         if isinstance(x, jax.Array):
             if x.sharding.is_equivalent_to(self._replicated_sharding, x.ndim):
                 return x
@@ -476,9 +883,10 @@ class _MeshStrategy(Strategy):
         arr = arr.astype(jax.dtypes.canonicalize_dtype(arr.dtype), copy=False)
         return jax.make_array_from_callback(arr.shape, self._replicated_sharding, lambda idx: arr[idx])
 
-    def _to_per_replica(self, value: PerReplica) -> jax.Array:
-        """The stacked array of ``value`` laid out one row per replica."""
-        x = value.stacked
+    def _place_per_replica(self, x: Any) -> Any:
+        """A stacked ``(R, ...)`` array laid out one row per replica (no copy if it already is)."""
+        if _is_tracer(x):
+            return x
         r = self.num_replicas_in_sync
         if x.shape[0] != r:
             raise ConfigurationError(
@@ -493,6 +901,10 @@ class _MeshStrategy(Strategy):
                 return jax.device_put(x, self._per_replica_sharding)
         arr = np.asarray(x)
         return self._stack_to_global(arr[self._local_ids])
+
+    def _to_per_replica(self, value: PerReplica) -> jax.Array:
+        """The stacked array of ``value`` laid out one row per replica."""
+        return self._place_per_replica(value.stacked)
 
     def _stack_to_global(self, stacked_local: np.ndarray) -> jax.Array:
         """Global ``(R, ...)`` array from this process's rows (``stacked_local[i]`` -> local replica i)."""
@@ -513,45 +925,97 @@ class _MeshStrategy(Strategy):
         return fn
 
     def _store_variable(self, x: Any) -> Any:
-        """Where :meth:`replicate` puts a variable (hook for CentralStorageStrategy)."""
-        return self._to_replicated(x)
+        """Where a mirrored variable lives: replicated on the mesh (CentralStorage: its parameter device).
+
+        The stored array always carries the strategy's own sharding object (an
+        equivalent one, e.g. a one-device sharding an XLA output came back
+        with, is relabelled without a copy), so compiled functions that take
+        variables see the same input sharding every call and do not retrace.
+        """
+        x = self._to_replicated(x)
+        if isinstance(x, jax.Array) and not _is_tracer(x) and x.sharding != self._replicated_sharding:
+            x = jax.device_put(x, self._replicated_sharding)
+        return x
+
+    def _store_on_read(self, stacked: Any) -> Any:
+        x = self._place_per_replica(stacked)
+        if isinstance(x, jax.Array) and not _is_tracer(x) and x.sharding != self._per_replica_sharding:
+            x = jax.device_put(x, self._per_replica_sharding)
+        return x
+
+    def _aggregate_on_read(self, stacked: Any, aggregation: VariableAggregation) -> Any:
+        fn = self._jitted(("on_read", aggregation), lambda: lambda s: _aggregate_stacked(s, aggregation))
+        return self._dispatch(fn, self._place_per_replica(stacked))
 
     def _finish_replicated(self, x: jax.Array) -> jax.Array:
         """Post-process a replicated output (hook for CentralStorageStrategy)."""
         return x
 
     def replicate(self, value: Any) -> Any:
-        """Place every array leaf of ``value`` replicated on the mesh (TF: variables created in scope).
+        """Place every array leaf of ``value`` replicated on the mesh (the functional style's "variables").
 
         The result is one logical value with an identical copy on every
         replica's device (``NamedSharding(mesh, PartitionSpec())``). Leaves
         that are already replicated on this mesh are returned as they are; in
         a multi-process job every process must pass the same values.
-        Non-array leaves are left alone.
+        Non-array leaves are left alone; a ``PerReplica`` is refused (its
+        replicas differ: reduce or gather it first).
 
         Returns:
             ``value`` with its array leaves replaced by replicated ``jax.Array``s.
         """
         self._check_cross_replica("replicate")
-        return jax.tree.map(lambda x: self._store_variable(x) if _is_array_like(x) else x, value)
+        if any(isinstance(x, PerReplica) for x in jax.tree.leaves(value, is_leaf=is_per_replica)):
+            raise TypeError(
+                "replicate() got a PerReplica value: its replicas hold different values. Reduce it "
+                "(strategy.reduce) or gather it first"
+            )
+
+        def one(x: Any) -> Any:
+            if _is_array_like(x):
+                return self._mirrored.add(self._store_variable(x))
+            return x
+
+        return jax.tree.map(one, value)
 
     # -- run -------------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None) -> Any:
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        options: Any = None,
+    ) -> Any:
         """Run ``fn(*args, **kwargs)`` on every replica as one compiled XLA program.
 
         Inside ``fn`` each replica sees: for a ``PerReplica`` argument, its own
         value; for an array argument, the replicated value (numpy arrays and
         Python numbers are replicated first); any other leaf (strings, enums,
-        ...) is a static Python value (it must be hashable and is part of the
-        compilation key). ``jaxdist.get_replica_context()`` returns the
+        variables, ...) is a static Python value (it must be hashable and is
+        part of the compilation key). Variables ``fn`` reads are passed into
+        the step and those it assigns are written back (see
+        :mod:`jaxdist.sync.variables`): assigning a mirrored variable a
+        value that differs between replicas raises ConfigurationError.
+        ``jaxdist.get_replica_context()`` returns the
         :class:`~jaxdist.sync.context.ReplicaContext` and
         ``jax.lax.psum(x, "replica")`` and friends work directly.
 
         ``fn`` is traced once per (function, argument structure, shapes and
         dtypes, static leaves) and the compiled program is cached (LRU of
-        :data:`_RUN_CACHE_SIZE`), so repeated calls with the same function
-        object do not retrace; a new lambda each call does.
+        :data:`_RUN_CACHE_SIZE`). Before reusing it, ``run`` checks that the
+        globals and closure variables ``fn`` (and the user functions it calls)
+        read still hold the objects they held when it was traced, and traces
+        again if one was rebound (so ``scale = 2.0`` between steps takes
+        effect; it logs a warning when that happens on every call: pass the
+        value as an argument instead). In-place mutation of a captured numpy
+        array is not detected: pass arrays as arguments.
+
+        ``run`` also works inside :func:`jaxdist.function` and ``jax.jit``
+        (the step is then part of the caller's compiled program).
+
+        Args:
+            options: TF's ``RunOptions``: not supported (raises ConfigurationError if given).
 
         Returns:
             ``fn``'s output structure, where each leaf that is provably the
@@ -559,99 +1023,24 @@ class _MeshStrategy(Strategy):
             all-reduced values) is a replicated ``jax.Array``, and every other
             leaf is a :class:`PerReplica`.
         """
+        _check_run_options(options)
+        return self._run(fn, args, kwargs)
+
+    def _run(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None, steps: int | None = None
+    ) -> Any:
+        from jaxdist.sync.loops import run_program
+
         args, kwargs = _check_run_args(args, kwargs)
         self._check_cross_replica("run")
-        leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=is_per_replica)
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            raise TypeError(
-                "strategy.run was called on traced values (inside jax.jit/grad/vmap). run compiles fn itself: "
-                "call it from Python, and put the jitted work inside fn"
-            )
-        kinds: list[str] = []
-        dyn: list[jax.Array] = []
-        statics: list[Any] = []
-        for leaf in leaves:
-            if isinstance(leaf, PerReplica):
-                kinds.append(_PER_REPLICA)
-                dyn.append(self._to_per_replica(leaf))
-            elif _is_array_like(leaf):
-                kinds.append(_REPLICATED)
-                dyn.append(self._to_replicated(leaf))
-            else:
-                kinds.append(_STATIC)
-                statics.append(leaf)
-        signature = tuple((a.shape, a.dtype, getattr(a, "weak_type", False)) for a in dyn)
-        key = (fn, in_tree, tuple(kinds), signature, tuple(statics))
-        try:
-            hash(key)
-        except TypeError:
-            raise TypeError(
-                "strategy.run: non-array arguments are static and must be hashable; got "
-                f"{[type(s).__name__ for s in statics]}"
-            ) from None
-        with self._programs_lock:
-            program = self._programs.get(key)
-            if program is not None:
-                self._programs.move_to_end(key)
-        if program is None:
-            program = self._build(fn, in_tree, kinds, dyn, statics)
-            with self._programs_lock:
-                self._programs[key] = program
-                while len(self._programs) > _RUN_CACHE_SIZE:
-                    self._programs.popitem(last=False)
-        outs = self._dispatch(program.jitted, *dyn)
-        wrapped = [
-            PerReplica(o) if varying else self._finish_replicated(o) for o, varying in zip(outs, program.out_varying)
-        ]
-        return jax.tree.unflatten(program.out_tree, wrapped)
+        return run_program(self, fn, args, kwargs, steps)
 
-    def _build(
-        self, fn: Callable[..., Any], in_tree: Any, kinds: list[str], dyn: list[jax.Array], statics: list[Any]
-    ) -> _Program:
-        self._trace_count += 1
-        dyn_kinds = [k for k in kinds if k != _STATIC]
-        local_avals = [
-            jax.ShapeDtypeStruct(a.shape[1:] if k == _PER_REPLICA else a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-            for a, k in zip(dyn, dyn_kinds)
-        ]
-        replica_ctx = ctx_lib.ReplicaContext(self, AXIS)
+    def _run_stacked(self, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
+        from jaxdist.sync.loops import stack_batches
 
-        out_tree_box: list[Any] = []
-
-        def flat_fn(*local: Any) -> list[Any]:
-            it_dyn, it_static = iter(local), iter(statics)
-            full = [next(it_static) if k == _STATIC else next(it_dyn) for k in kinds]
-            args, kwargs = jax.tree.unflatten(in_tree, full)
-            with ctx_lib.enter_replica(replica_ctx):
-                out = fn(*args, **kwargs)
-            flat, tree = jax.tree.flatten(out, is_leaf=is_per_replica)
-            if any(isinstance(leaf, PerReplica) for leaf in flat):
-                raise TypeError("fn passed to strategy.run must return arrays, not PerReplica values")
-            out_tree_box[:] = [tree]
-            return flat
-
-        closed = jax.make_jaxpr(flat_fn, axis_env=[(AXIS, self.num_replicas_in_sync)])(*local_avals)
-        out_tree = out_tree_box[0]
-        in_varying = [k == _PER_REPLICA for k in dyn_kinds]
-        out_varying = varying_outputs(closed, in_varying, AXIS)
-        logger.debug(
-            "run(%s): traced; %d outputs, %d per-replica", getattr(fn, "__name__", fn), len(out_varying), sum(out_varying)
-        )
-
-        def body(*blocks: Any) -> tuple[Any, ...]:
-            local = [b[0] if k == _PER_REPLICA else b for b, k in zip(blocks, dyn_kinds)]
-            outs = jcore.jaxpr_as_fun(closed)(*local)
-            return tuple(o[None] if v else o for o, v in zip(outs, out_varying))
-
-        in_specs = tuple(P(AXIS) if k == _PER_REPLICA else P() for k in dyn_kinds)
-        out_specs = tuple(P(AXIS) if v else P() for v in out_varying)
-        smapped = jax.shard_map(body, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        jitted = jax.jit(
-            smapped,
-            in_shardings=tuple(self._per_replica_sharding if k == _PER_REPLICA else self._replicated_sharding for k in dyn_kinds),
-            out_shardings=tuple(self._per_replica_sharding if v else self._replicated_sharding for v in out_varying),
-        )
-        return _Program(jitted=jitted, out_tree=out_tree, out_varying=out_varying)
+        self._check_cross_replica("run_steps")
+        stacked = stack_batches(self, batches)
+        return self._run(fn, (stacked, *tuple(args)), kwargs, steps=len(batches))
 
     def _dispatch(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call a compiled multi-replica program, pacing dispatch on CPU.
@@ -662,8 +1051,12 @@ class _MeshStrategy(Strategy):
         jax-ml/jax#25861). So on CPU each dispatch first waits for the previous
         program of this strategy to finish: the host work of the next step
         (input splitting, argument checks) still overlaps the running step,
-        only the launch waits. Other platforms dispatch asynchronously as usual.
+        only the launch waits. Other platforms dispatch asynchronously as
+        usual. Inside a trace (``jaxdist.function``/``jax.jit``) nothing runs
+        yet, so nothing waits.
         """
+        if any(_is_tracer(a) for a in jax.tree.leaves(args)):
+            return fn(*args)
         if self._pace and self._in_flight is not None:
             jax.block_until_ready(self._in_flight)
             self._in_flight = None
@@ -681,17 +1074,35 @@ class _MeshStrategy(Strategy):
             self._jit_cache[key] = fn
         return fn
 
+    def _is_mirrored(self, x: Any) -> bool:
+        """Whether ``x`` is a replicated value this strategy produced (an output of run/reduce/replicate)."""
+        return x in self._mirrored
+
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Reduce ``value`` across replicas (cross-replica), as ``tf.distribute.Strategy.reduce``.
 
         Args:
             reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (or "sum"/"mean").
-            value: a pytree whose leaves are ``PerReplica`` values or arrays. An
-                array counts as the same value on every replica, so ``SUM``
-                gives ``num_replicas_in_sync * value`` and ``MEAN`` gives ``value``.
+            value: a pytree whose leaves are any of:
+
+                - ``PerReplica``: the replicas' values are combined (padding
+                  rows of an uneven batch do not count);
+                - a replicated output of ``run`` (each replica returned the
+                  same value): TF returns per-replica values for these too,
+                  so ``SUM`` gives ``num_replicas_in_sync * value`` and
+                  ``MEAN`` gives ``value``;
+                - a mirrored :class:`SyncVariable`: ``MEAN`` gives its value;
+                  ``SUM`` raises ValueError (TF asserts); a sync-on-read
+                  variable: its per-replica parts are combined;
+                - a non-distributed value (numpy, Python numbers, arrays made
+                  outside the strategy): as TF, ``MEAN`` returns it, ``SUM``
+                  raises ValueError (returns it with one replica, and ``0``
+                  for a Python 0).
             axis: ``None`` reduces only across replicas. An int also reduces
-                each replica's value along that axis; ``MEAN`` then averages
-                over all ``num_replicas * value.shape[axis]`` elements.
+                each replica's value along that axis (a non-distributed value
+                counts as the same value on every replica, as TF's
+                ``run(reduce_sum)`` does); ``MEAN`` then averages over all
+                ``num_replicas * value.shape[axis]`` elements.
 
         Returns:
             The reduced pytree; leaves are replicated ``jax.Array``s readable
@@ -699,62 +1110,140 @@ class _MeshStrategy(Strategy):
         """
         op = ReduceOp.coerce(reduce_op)
         self._check_cross_replica("reduce")
+        if ctx_lib.in_merge():
+            from jaxdist.sync.extended import merge_reduce
+
+            return merge_reduce(self, op, value, axis)
+        if ctx_lib.current_frame() is not None:
+            ctx_lib.current_frame().strategies.add(self)
         r = self.num_replicas_in_sync
 
-        def one(x: Any) -> Any:
-            if isinstance(x, PerReplica):
+        def per_replica(stacked: Any, rows: Any = None) -> Any:
+            if rows is None:
                 fn = self._jitted(("reduce", op, axis), lambda: lambda s: _reduce_stacked(s, op, axis))
-                return self._finish_replicated(self._dispatch(fn, self._to_per_replica(x)))
+                return self._mirrored.add(self._finish_replicated(self._dispatch(fn, self._place_per_replica(stacked))))
+            fn = self._jitted(("reduce_rows", op, axis), lambda: lambda s, n: _reduce_stacked(s, op, axis, n))
+            out = self._dispatch(fn, self._place_per_replica(stacked), self._place_per_replica(rows))
+            return self._mirrored.add(self._finish_replicated(out))
 
-            def same_everywhere(v: jax.Array) -> jax.Array:
+        def same_everywhere(x: Any) -> Any:
+            def f(v: jax.Array) -> jax.Array:
                 if axis is not None:
                     v = jnp.sum(v, axis) if op is ReduceOp.SUM else jnp.mean(v, axis)
                 return v * r if op is ReduceOp.SUM else v
 
-            fn = self._jitted(("reduce_replicated", op, axis, r), lambda: same_everywhere)
-            return self._finish_replicated(self._dispatch(fn, self._to_replicated(x)))
+            fn = self._jitted(("reduce_replicated", op, axis, r), lambda: f)
+            return self._mirrored.add(self._finish_replicated(self._dispatch(fn, self._to_replicated(x))))
 
-        return jax.tree.map(one, value, is_leaf=is_per_replica)
+        def one(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return per_replica(x.stacked, x.row_counts)
+            if isinstance(x, SyncVariable):
+                self._check_own_variable(x, "reduce")
+                if x.on_read:
+                    return per_replica(x._value)
+                if op is ReduceOp.MEAN and axis is None:
+                    return x.value()
+                if axis is None:
+                    raise ValueError(
+                        f"cannot SUM the mirrored variable {x.name!r} across replicas: its copies are the same "
+                        "value (TF asserts here). Use MEAN, or read it (var.value())"
+                    )
+                return same_everywhere(x.value())
+            if self._is_mirrored(x) or _is_tracer(x):
+                return same_everywhere(x)
+            handled = _non_distributed_reduce(op, x, axis, r)
+            if axis is None:
+                return handled
+            return same_everywhere(x)
+
+        return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (PerReplica, SyncVariable)))
+
+    def _check_own_variable(self, v: SyncVariable, what: str) -> None:
+        if v.distribute_strategy is not self:
+            raise ConfigurationError(f"{what}: variable {v.name!r} belongs to another strategy")
 
     def gather(self, value: Any, axis: int) -> Any:
         """Concatenate every replica's value along ``axis``, in replica order (cross-replica).
 
         A ``PerReplica`` of per-replica shape ``(b, ...)`` gathered on axis 0
-        gives ``(R*b, ...)``. An array counts as the same value on every
-        replica (it is concatenated ``R`` times), as in TF.
+        gives ``(R*b, ...)`` (an uneven batch gives its real rows only: 20
+        rows over 8 replicas gather back to 20). A replicated output of
+        ``run`` is the same value on every replica and is concatenated ``R``
+        times; a non-distributed value is returned unchanged, as in TF.
 
         Returns:
             The gathered pytree; leaves are replicated ``jax.Array``s.
         """
         self._check_cross_replica("gather")
+        if ctx_lib.in_merge():
+            from jaxdist.sync.extended import merge_gather
+
+            return merge_gather(self, value, axis)
         r = self.num_replicas_in_sync
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
+                rows = x._host_rows() if x.row_counts is not None and not _is_tracer(x.row_counts) else None
+                if x.row_counts is not None and rows is None:
+                    raise ValueError(
+                        "gather of an uneven batch inside a compiled function: the result's row count would "
+                        "depend on data. Gather outside, or use the padded values with get_replica_context().row_mask()"
+                    )
+                stacked = self._place_per_replica(x.stacked)
                 fn = self._jitted(("gather", axis), lambda: lambda s: _gather_stacked(s, axis))
-                return self._finish_replicated(self._dispatch(fn, self._to_per_replica(x)))
+                out = self._dispatch(fn, stacked)
+                if rows is not None:
+                    if _norm_axis(axis, stacked.ndim - 1) != 0:
+                        raise ValueError("an uneven batch can only be gathered along axis 0, its batch axis")
+                    b = stacked.shape[1]
+                    idx = np.concatenate([k * b + np.arange(int(n)) for k, n in enumerate(rows)]).astype(np.int32)
+                    take = self._jitted(("take_rows", len(idx)), lambda: lambda a, i: jnp.take(a, i, axis=0))
+                    out = self._dispatch(take, out, self._to_replicated(idx))
+                return self._mirrored.add(self._finish_replicated(out))
+            if isinstance(x, SyncVariable):
+                self._check_own_variable(x, "gather")
+                src = x._value if x.on_read else None
+                if src is not None:
+                    fn = self._jitted(("gather", axis), lambda: lambda s: _gather_stacked(s, axis))
+                    return self._finish_replicated(self._dispatch(fn, self._place_per_replica(src)))
+                x = x.value()
+            elif not (self._is_mirrored(x) or _is_tracer(x)):
+                return x  # a non-distributed value is returned unchanged, as in TF
             fn = self._jitted(
                 ("gather_replicated", axis, r),
                 lambda: lambda v: jnp.concatenate([v] * r, axis=_norm_axis(axis, v.ndim)),
             )
-            return self._finish_replicated(self._dispatch(fn, self._to_replicated(x)))
+            return self._mirrored.add(self._finish_replicated(self._dispatch(fn, self._to_replicated(x))))
 
-        return jax.tree.map(one, value, is_leaf=is_per_replica)
+        return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (PerReplica, SyncVariable)))
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The parts of ``value`` on this process's replicas, in replica order.
 
-        - ``PerReplica``: its local values (``PerReplica.values``).
-        - an array replicated on this strategy's devices: one copy per local
-          device (like TF's mirrored variable components).
+        - ``PerReplica``: its local values (``PerReplica.values``; an uneven
+          batch gives each replica's real rows).
+        - an array replicated on this strategy's devices, or a mirrored
+          variable: one copy per local device (like TF's mirrored variable components).
+        - a sync-on-read variable: its local per-replica parts.
         - a pytree holding ``PerReplica`` leaves: a tuple with one pytree per
           local replica (``PerReplica`` leaves replaced by that replica's
           value, other leaves kept).
         - anything else: ``(value,)``.
         """
+        if ctx_lib.in_merge():
+            from jaxdist.sync.extended import merge_local_results
+
+            return merge_local_results(self, value)
         if isinstance(value, PerReplica):
             return value.values
-        if isinstance(value, jax.Array) and value.sharding.is_equivalent_to(self._replicated_sharding, value.ndim):
+        if isinstance(value, SyncVariable):
+            if value.on_read:
+                return PerReplica(value._value).values
+            value = value.value()
+        if isinstance(value, jax.Array) and not _is_tracer(value) and value.sharding.is_equivalent_to(
+            self._replicated_sharding, value.ndim
+        ):
             by_device = {s.device: s.data for s in value.addressable_shards}
             return tuple(by_device[self._devices[i]] for i in self._local_ids)
         leaves, tree = jax.tree.flatten(value, is_leaf=is_per_replica)
@@ -807,8 +1296,17 @@ class _MeshStrategy(Strategy):
     def _num_processes(self) -> int:
         return len(self._process_ids)
 
-    def _distribute_local(self, stacked_local: np.ndarray) -> Any:
-        return PerReplica(self._stack_to_global(stacked_local))
+    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
+        if isinstance(stacked_local, np.ndarray):
+            stacked = self._stack_to_global(stacked_local)
+        else:
+            stacked = stacked_local  # already a global per-replica array (placed by input_lib)
+        if rows is None:
+            return PerReplica(stacked)
+        pr = PerReplica(stacked, self._stack_to_global(rows[self._local_ids].astype(np.int32)))
+        pr._rows_host = rows.astype(np.int32)
+        pr._guard = guard
+        return pr
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}, devices={list(self._devices)})"
@@ -842,36 +1340,53 @@ def _resolve_device(spec: Any) -> jax.Device:
     raise ConfigurationError(f"cannot interpret {spec!r} as a device (pass a jax.Device, an int or 'cpu:0')")
 
 
+def _check_cross_device_ops(ops: Any) -> cdo.CrossDeviceOps:
+    if ops is None:
+        return cdo.CrossDeviceOps()
+    if not isinstance(ops, cdo.CrossDeviceOps):
+        raise TypeError(
+            "cross_device_ops must be a jaxdist.CrossDeviceOps (jaxdist.NcclAllReduce(), "
+            "jaxdist.HierarchicalCopyAllReduce(), jaxdist.ReductionToOneDevice(), or a subclass implementing "
+            f"all_reduce_sum), got {type(ops).__name__}"
+        )
+    return ops
+
+
 class MirroredStrategy(_MeshStrategy):
     """Synchronous data parallelism over one host's devices (``tf.distribute.MirroredStrategy``).
 
-    Variables are replicated on every device; each step runs ``fn`` on every
+    Variables are mirrored on every device; each step runs ``fn`` on every
     replica in one XLA program and all-reduces with XLA collectives.
 
     Args:
         devices: the devices to use (``jax.Device``s, indices or strings such
             as ``"cpu:0"``/``"/gpu:1"``); default: all local devices.
-        cross_device_ops: accepted for TF compatibility and ignored (XLA picks
-            the all-reduce implementation).
+        cross_device_ops: how in-replica all-reduces are done
+            (:class:`jaxdist.NcclAllReduce`, :class:`jaxdist.HierarchicalCopyAllReduce`,
+            :class:`jaxdist.ReductionToOneDevice`); default one fused psum.
+            See :mod:`jaxdist.sync.cross_device_ops`.
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: Any = None) -> None:
-        if cross_device_ops is not None:
-            logger.info("MirroredStrategy: cross_device_ops is ignored; XLA collectives do the all-reduce")
         devs = jax.local_devices() if devices is None else [_resolve_device(d) for d in devices]
         super().__init__(devs)
+        self._cross_device_ops = _check_cross_device_ops(cross_device_ops)
 
 
 class OneDeviceStrategy(_MeshStrategy):
     """Everything on one device, through the same API (``tf.distribute.OneDeviceStrategy``).
 
-    Datasets yield plain arrays on the device (no ``PerReplica``); ``run``
-    compiles ``fn`` like the other strategies, with one replica.
+    Datasets yield plain arrays on the device (no ``PerReplica``; a short
+    batch keeps its real row count, as in TF); ``run`` compiles ``fn`` like
+    the other strategies, with one replica.
 
     Args:
         device: a ``jax.Device``, an index into ``jax.devices()`` or a string
             such as ``"cpu:0"``, ``"/gpu:0"`` or ``"/device:CPU:0"``.
     """
+
+    #: Datasets yield the batch itself (one replica), not PerReplica values.
+    _yields_plain_arrays = True
 
     def __init__(self, device: Any) -> None:
         super().__init__([_resolve_device(device)])
@@ -880,8 +1395,11 @@ class OneDeviceStrategy(_MeshStrategy):
     def device(self) -> jax.Device:
         return self._devices[0]
 
-    def _distribute_local(self, stacked_local: np.ndarray) -> Any:
-        return jax.device_put(stacked_local[0], self._devices[0])
+    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
+        x = stacked_local[0]
+        if rows is not None and guard:  # no mask asked for: the batch keeps its real rows, as in TF
+            x = x[: int(rows[0])]
+        return jax.device_put(x, self._devices[0])
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         self._check_cross_replica("experimental_distribute_values_from_function")
@@ -891,11 +1409,12 @@ class OneDeviceStrategy(_MeshStrategy):
 class CentralStorageStrategy(_MeshStrategy):
     """Variables on one device, compute on all local devices (``tf.distribute.experimental.CentralStorageStrategy``).
 
-    :meth:`replicate` puts variables on the parameter device. Each ``run``
-    copies them to the compute devices, runs ``fn`` on every replica (the
-    gradient all-reduce is an XLA collective) and copies every replicated
-    output (the updated variables) back to the parameter device, so between
-    steps one copy of the variables exists, on the parameter device.
+    Mirrored variables (and :meth:`replicate`'s values) live on the parameter
+    device. Each ``run`` copies the ones ``fn`` uses to the compute devices,
+    runs ``fn`` on every replica (the gradient all-reduce is an XLA
+    collective) and copies every replicated output (the updated variables)
+    back to the parameter device, so between steps one copy of the variables
+    exists, on the parameter device.
 
     Args:
         compute_devices: devices that run the replicas; default all local devices.
@@ -913,19 +1432,35 @@ class CentralStorageStrategy(_MeshStrategy):
         return self._parameter_device
 
     def _store_variable(self, x: Any) -> Any:
+        if _is_tracer(x):
+            return x
         return jax.device_put(x, self._central)
 
     def _finish_replicated(self, x: jax.Array) -> jax.Array:
+        if _is_tracer(x):
+            return x
         return jax.device_put(x, self._central)
+
+    def _is_mirrored(self, x: Any) -> bool:
+        return x in self._mirrored
 
 
 class TPUStrategy(_MeshStrategy):
     """Synchronous training on TPU cores (``tf.distribute.TPUStrategy``).
 
-    Uses every TPU device JAX sees (``jax.devices("tpu")``: all hosts of a pod
-    slice once ``jax.distributed.initialize()`` has run). The code path is the
-    one of :class:`MirroredStrategy`: replicated variables, one compiled
-    step per ``run``, XLA collectives over the ``"replica"`` axis.
+    Set-up as in TF's TPU guide::
+
+        resolver = jaxdist.TPUClusterResolver(tpu="")            # reads the Cloud TPU VM environment
+        jaxdist.experimental_connect_to_cluster(resolver)        # jax.distributed across the slice's hosts
+        topology = jaxdist.initialize_tpu_system(resolver)
+        strategy = jaxdist.TPUStrategy(resolver)
+
+    The replicas are the TPU devices JAX sees (all hosts of the slice), or
+    the devices of ``experimental_device_assignment`` (a
+    :class:`jaxdist.DeviceAssignment`: which devices, in which replica
+    order). The code path is the one of :class:`MirroredStrategy`: mirrored
+    variables, one compiled step per ``run``, XLA collectives over the
+    ``"replica"`` axis.
 
     Without TPUs it raises :class:`~jaxdist.base.errors.ConfigurationError`. To run
     the TPU code path on other devices (tests, development), either pass the
@@ -934,30 +1469,72 @@ class TPUStrategy(_MeshStrategy):
     ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` for 8 fake CPU devices).
 
     Args:
-        cluster_resolver: accepted for TF compatibility; the TPU topology comes
-            from JAX.
-        experimental_device_assignment: accepted for TF compatibility and ignored.
+        tpu_cluster_resolver: a :class:`jaxdist.TPUClusterResolver` (TF's
+            keyword; ``cluster_resolver`` is accepted as well). Default: one
+            built from the environment, as TF's ``TPUClusterResolver('')``.
+        experimental_device_assignment: a :class:`jaxdist.DeviceAssignment`
+            (``device_assignment`` is accepted as TF1's name for it).
+        experimental_spmd_xla_partitioning: TF's model parallelism inside a
+            replica; not supported (replicas are single devices here): use
+            ``jax.sharding`` inside ``fn`` for model parallelism.
         devices: use these devices instead of the TPUs.
     """
 
     def __init__(
         self,
-        cluster_resolver: Any = None,
+        tpu_cluster_resolver: Any = None,
         experimental_device_assignment: Any = None,
+        experimental_spmd_xla_partitioning: bool = False,
         *,
+        device_assignment: Any = None,
+        cluster_resolver: Any = None,
         devices: Sequence[Any] | None = None,
     ) -> None:
-        del experimental_device_assignment
-        self._resolver = cluster_resolver
-        if devices is not None:
+        from jaxdist.sync import tpu as tpu_lib
+
+        if tpu_cluster_resolver is not None and cluster_resolver is not None:
+            raise ConfigurationError("pass tpu_cluster_resolver or cluster_resolver, not both (they are the same)")
+        if experimental_device_assignment is not None and device_assignment is not None:
+            raise ConfigurationError(
+                "pass experimental_device_assignment or device_assignment, not both (they are the same)"
+            )
+        if experimental_spmd_xla_partitioning:
+            raise ConfigurationError(
+                "experimental_spmd_xla_partitioning=True (TF's model parallelism inside a replica) is not "
+                "supported: jaxdist's replicas are one device each. Shard the model with jax.sharding inside fn, "
+                "or use a larger DeviceAssignment-free mesh with jax.jit directly"
+            )
+        resolver = tpu_cluster_resolver if tpu_cluster_resolver is not None else cluster_resolver
+        assignment = experimental_device_assignment if experimental_device_assignment is not None else device_assignment
+        self._resolver = resolver
+        if assignment is not None:
+            if devices is not None:
+                raise ConfigurationError("pass devices or a device assignment, not both")
+            if not isinstance(assignment, tpu_lib.DeviceAssignment):
+                raise TypeError(
+                    f"experimental_device_assignment must be a jaxdist.DeviceAssignment, got {type(assignment).__name__}"
+                )
+            devs = list(assignment.replica_devices)
+        elif devices is not None:
             devs = [_resolve_device(d) for d in devices]
         else:
             devs = _tpu_devices()
+        self._device_assignment = assignment
         super().__init__(devs)
 
     @property
     def cluster_resolver(self) -> Any:
+        """The TPUClusterResolver (TF returns a default ``TPUClusterResolver('')`` when none was given)."""
+        if self._resolver is None:
+            from jaxdist.base.cluster_resolver.tpu import TPUClusterResolver
+
+            self._resolver = TPUClusterResolver.default()
         return self._resolver
+
+    @property
+    def experimental_device_assignment(self) -> Any:
+        """The DeviceAssignment the strategy was built with (None: every TPU in JAX's order)."""
+        return self._device_assignment
 
 
 def _tpu_devices() -> list[jax.Device]:
@@ -970,7 +1547,7 @@ def _tpu_devices() -> list[jax.Device]:
         logger.warning(
             "TPUStrategy: running on %d %s device(s) instead of TPUs (%s is set)", len(devs), fake, ENV_TPU_FAKE_DEVICES
         )
-        return list(devs)
+        return sorted(devs, key=lambda d: (d.process_index, d.id))
     try:
         devs = jax.devices("tpu")
     except RuntimeError:
@@ -984,4 +1561,4 @@ def _tpu_devices() -> list[jax.Device]:
             f"{ENV_TPU_FAKE_DEVICES}=cpu (add XLA_FLAGS=--xla_force_host_platform_device_count=8 "
             "for 8 fake CPU devices)"
         )
-    return list(devs)
+    return sorted(devs, key=lambda d: (d.process_index, d.id))

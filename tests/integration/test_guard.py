@@ -24,6 +24,7 @@ from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.handlers import unary_handler
 from jaxdist.transport.server import Server
 from jaxdist.worker.client import WorkerClient
+from jaxdist.worker.coordinator_client import CoordinatorClient
 
 from conftest import CREDS
 
@@ -120,14 +121,14 @@ def test_unreachable_task_is_typed_by_its_role() -> None:
 
 
 def test_every_client_uses_the_base_and_maps_errors_nowhere_else() -> None:
-    assert all(issubclass(c, ServiceClient) for c in (PSClient, WorkerClient, CoordinationClient))
+    assert all(issubclass(c, ServiceClient) for c in (PSClient, WorkerClient, CoordinationClient, CoordinatorClient))
     # Mapping a failed gRPC call to a typed error happens in the base (and the status module) only.
     allowed = {
         "transport/client.py",
         "proto/status.py",
-        # RunClosures futures are mapped by the dispatch loop itself (WorkerClient.error does the
-        # same); it moves with the coordinator's split (issue 14, item 1).
-        "coordinator/cluster_coordinator/coordinator.py",
+        # The sans-IO failure handler classifies a failed RunClosures by the (code, reason) the
+        # dispatch loop reports to it: classification, not a client's call.
+        "coordinator/cluster_coordinator/failure_handler.py",
     }
     offenders = []
     for pkg in ("base", "coordinator", "proto", "ps_server", "tools", "transport", "worker"):

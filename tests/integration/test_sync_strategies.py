@@ -230,10 +230,23 @@ def reduce_matches_hand_computed() -> None:
     np.testing.assert_allclose(s.reduce(sd.ReduceOp.MEAN, pr, axis=None), [3.5, 8])
     np.testing.assert_allclose(s.reduce("sum", pr, axis=0), 92)
     np.testing.assert_allclose(s.reduce("mean", pr, axis=0), 92 / 16)
-    # A plain value counts as the same value on every replica.
-    np.testing.assert_allclose(s.reduce("sum", jnp.array([1.0, 2.0]), axis=None), [8, 16])
+    # A non-distributed value, as TF: MEAN returns it, SUM raises, 0 stays 0; with an axis it counts
+    # as the same value on every replica (TF's run(reduce_sum)).
+    try:
+        s.reduce("sum", jnp.array([1.0, 2.0]), axis=None)
+    except ValueError as e:
+        assert "non-DistributedValues" in str(e)
+    else:
+        raise AssertionError("SUM of a non-distributed value must raise ValueError, as in TF")
     np.testing.assert_allclose(s.reduce("mean", jnp.array([1.0, 2.0]), axis=None), [1, 2])
+    assert s.reduce("sum", 0) == 0
     np.testing.assert_allclose(s.reduce("mean", np.array([1.0, 3.0]), axis=0), 2)
+    np.testing.assert_allclose(s.reduce("sum", np.array([1.0, 3.0]), axis=0), 32)
+    # A replicated output of run is each replica's own (equal) value: TF returns them per replica, SUM adds them.
+    same = s.run(lambda v: sd.get_replica_context().all_reduce("sum", v), args=(pr,))
+    assert not isinstance(same, sd.PerReplica)
+    np.testing.assert_allclose(s.reduce("sum", same), [8 * 28, 8 * 64])
+    np.testing.assert_allclose(s.reduce("mean", same), [28, 64])
     tree = s.reduce("sum", {"a": pr, "b": (pr,)}, axis=None)
     np.testing.assert_allclose(tree["b"][0], [28, 64])
     out = s.reduce("sum", pr)
@@ -261,7 +274,9 @@ def gather_matches_hand_computed() -> None:
     np.testing.assert_array_equal(s.gather(pr, axis=0), np.concatenate(vals, axis=0))
     np.testing.assert_array_equal(s.gather(pr, axis=1), np.concatenate(vals, axis=1))
     np.testing.assert_array_equal(s.gather(pr, axis=-1), np.concatenate(vals, axis=1))
-    np.testing.assert_array_equal(s.gather(np.ones((1, 2)), axis=0), np.ones((8, 2)))
+    np.testing.assert_array_equal(s.gather(np.ones((1, 2)), axis=0), np.ones((1, 2)))  # non-distributed: unchanged
+    replicated_out = s.run(lambda: np.ones((1, 2), np.float32) + 0)
+    np.testing.assert_array_equal(s.gather(replicated_out, axis=0), np.ones((8, 2)))  # 8 equal replica values
     # In-replica all_gather agrees with the cross-replica gather.
     out = s.run(lambda v: sd.get_replica_context().all_gather(v, axis=0), args=(pr,))
     assert not isinstance(out, sd.PerReplica)
@@ -297,7 +312,6 @@ def dataset_distribution_matches_hand_computed() -> None:
     import numpy as np
 
     import jaxdist.sync as sd
-    from jaxdist.errors import ConfigurationError
 
     s = sd.MirroredStrategy()
     x = np.arange(32, dtype=np.float32).reshape(16, 2)
@@ -308,8 +322,8 @@ def dataset_distribution_matches_hand_computed() -> None:
         np.testing.assert_array_equal(v, [2 * r, 2 * r + 1])
     assert bx.stacked.sharding == s.per_replica_sharding
 
-    # Dict batches from a generator; the short last batch of 5 rows with a mask:
-    # replicas are filled in order, 2 rows each: 2, 2, 1, 0, 0, ... real rows.
+    # Dict batches from a generator; the short last batch of 5 rows with a mask: TF's split,
+    # ceil(5 / 8) = 1 row each in order: 1, 1, 1, 1, 1, 0, 0, 0 real rows (padded to 2 rows each).
     def gen() -> Any:
         yield {"y": y}
         yield {"y": y[:5]}
@@ -319,21 +333,17 @@ def dataset_distribution_matches_hand_computed() -> None:
     batch, mask = out[1]
     got_y = [np.asarray(v).tolist() for v in batch["y"].values]
     got_m = [np.asarray(v).tolist() for v in mask.values]
-    assert got_y == [[0, 1], [2, 3], [4, 0]] + [[0, 0]] * 5, got_y
-    assert got_m == [[1, 1], [1, 1], [1, 0]] + [[0, 0]] * 5, got_m
+    assert got_y == [[0], [1], [2], [3], [4], [], [], []], got_y
+    assert got_m == [[1, 0]] * 5 + [[0, 0]] * 3, got_m
+    assert batch["y"].stacked.shape == (8, 2)  # one static shape for every batch
     assert [np.asarray(v).tolist() for v in out[0][1].values] == [[1, 1]] * 8
 
-    # Without a mask: a short batch divisible by 8 is split evenly, otherwise an error.
+    # Without a mask the split is the same (TF's), and the padding rows are known to the strategy.
     short = list(s.experimental_distribute_dataset([(y,), (y[:8],)]))
     assert [np.asarray(v).tolist() for v in short[1][0].values] == [[r] for r in range(8)]
-    it = iter(s.experimental_distribute_dataset([(y,), (y[:5],)]))
-    next(it)
-    try:
-        next(it)
-    except ConfigurationError as e:
-        assert "with_mask=True" in str(e) and "drop_remainder=True" in str(e)
-    else:
-        raise AssertionError("an uneven short batch without a mask must raise")
+    uneven = list(s.experimental_distribute_dataset([(y,), (y[:5],)]))
+    assert [len(v) for v in uneven[1][0].values] == [1, 1, 1, 1, 1, 0, 0, 0]
+    np.testing.assert_array_equal(s.gather(uneven[1][0], axis=0), y[:5])
     assert len(list(s.experimental_distribute_dataset([(y,), (y[:5],)], drop_remainder=True))) == 1
     # Re-iterable over a re-iterable source.
     ds = s.experimental_distribute_dataset([(y,)] * 3)
@@ -362,7 +372,8 @@ def datasets_from_function_matches_hand_computed() -> None:
     assert [np.asarray(v).tolist() for v in x0.values] == [list(range(4 * r, 4 * r + 4)) for r in range(8)]
     x1, m1 = steps[1]
     got = [np.asarray(v).tolist() for v in x1.values]
-    assert got[:3] == [[32, 33, 34, 35], [36, 37, 38, 39], [40, 41, 0, 0]] and got[3:] == [[0] * 4] * 5, got
+    assert got[:3] == [[32, 33, 34, 35], [36, 37, 38, 39], [40, 41]] and got[3:] == [[]] * 5, got
+    assert x1.stacked.shape == (8, 4)  # padded to the per-replica batch size
     assert [np.asarray(v).tolist() for v in m1.values][:4] == [[1] * 4, [1] * 4, [1, 1, 0, 0], [0] * 4]
 
 

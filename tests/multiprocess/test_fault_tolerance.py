@@ -1,4 +1,5 @@
-"""Worker failures with real SIGKILLs: closures re-run, updates applied exactly once."""
+"""Worker failures with real SIGKILLs: closures re-run, updates applied exactly once (an in-process
+restart of a worker is in ``tests/integration/test_coordinator.py``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import jaxdist
 from jaxdist.cluster_coordinator.remote_value import RemoteValueStatus
 
-from conftest import poll_for
+from jaxdist.testing import poll_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
 
@@ -40,44 +41,22 @@ def test_killed_worker_closures_rerun_and_updates_apply_once() -> None:
         rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
         poll_for(lambda: sum(rv.done() for rv in rvs) > 60, 60, what="training to start")
         cluster.kill("worker:1")
-        poll_for(lambda: not coord._workers[1].healthy.is_set(), 10, what="worker:1 declared failed")
+        poll_for(lambda: not coord.status()[1]["healthy"], 10, what="worker:1 declared failed")
         poll_for(lambda: sum(rv.done() for rv in rvs) > 200, 60, what="progress without worker:1")
         cluster.restart("worker:1")
         coord.join()
         assert [rv.fetch() for rv in rvs] == list(range(n))
         assert int(counter.numpy()) == n and int(other.numpy()) == n
-        assert coord._workers[1].failures >= 1
-        assert coord._queue.retried >= 1
-        # The restarted worker takes work again.
-        before = coord._workers[1].closures_done
+        assert coord.status()[1]["failures"] >= 1
+        assert coord.closure_counts.retried >= 1
+        # The restarted worker takes work again, once the coordinator has taken it back (it may
+        # still be reconfiguring it: scheduling before that raced, see issue 14).
+        poll_for(lambda: coord.status()[1]["healthy"], 30, what="worker:1 taken back")
+        before = coord.status()[1]["closures_done"]
         rvs = [coord.schedule(add_one, args=(i,)) for i in range(60)]
+        poll_for(lambda: coord.status()[1]["closures_done"] > before, 60, what="worker:1 to take work")
         coord.join()
-        assert coord._workers[1].closures_done > before
-        coord.shutdown()
-
-
-def test_restarted_worker_rebuilds_per_worker_dataset() -> None:
-    with jaxdist.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
-        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
-
-        def dataset_fn(ctx: jaxdist.InputContext):  # type: ignore[no-untyped-def]
-            return iter(range(ctx.input_pipeline_id * 1000, ctx.input_pipeline_id * 1000 + 10_000))
-
-        it = iter(coord.create_per_worker_dataset(dataset_fn))
-        take = lambda iterator: (next(iterator), jaxdist.current_worker_index())  # noqa: E731
-        rvs = [coord.schedule(take, args=(it,)) for _ in range(20)]
-        coord.join()
-        cluster.kill("worker:0")
-        cluster.restart("worker:0")
-        poll_for(lambda: coord._workers[0].healthy.is_set() and coord._workers[0].failures >= 1, 20, what="worker:0 back")
-        rvs = [coord.schedule(take, args=(it,)) for _ in range(40)]
-        coord.join()
-        got = [rv.fetch() for rv in rvs]
-        on0 = [v for v, w in got if w == 0]
-        assert on0, "restarted worker takes work"
-        assert all(0 <= v < 1000 + 10_000 for v in on0)
-        assert min(on0) == 0  # a rebuilt iterator starts over
+        assert [rv.fetch() for rv in rvs] == list(range(60))
         coord.shutdown()
 
 

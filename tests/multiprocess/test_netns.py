@@ -76,9 +76,9 @@ while not finish.is_set():
     scheduled += len(rvs)
     by_worker.update(rv.fetch() for rv in rvs)
     print(json.dumps({"event": "batch", "scheduled": scheduled, "by_worker": by_worker, "workers": coord.status(),
-                      "retried": coord._queue.retried}), flush=True)
+                      "retried": coord.closure_counts.retried}), flush=True)
 print(json.dumps({"event": "final", "scheduled": scheduled, "counter": float(counter.numpy()),
-                  "workers": coord.status(), "retried": coord._queue.retried}), flush=True)
+                  "workers": coord.status(), "retried": coord.closure_counts.retried}), flush=True)
 coord.shutdown()
 '''
 

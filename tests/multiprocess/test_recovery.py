@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import jaxdist
-
+from jaxdist.testing import InProcessCluster, poll_for
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
 
@@ -30,7 +30,8 @@ def _data(seed: int, n: int = 64) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _run(kill_ps: bool, tmp_path) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    with jaxdist.LocalCluster(num_workers=2, num_ps=2) as cluster:
+    # The run without a failure needs no processes; the one with a SIGKILL does.
+    with (jaxdist.LocalCluster(num_workers=2, num_ps=2) if kill_ps else InProcessCluster(num_workers=2, num_ps=2)) as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         with strategy.scope():
             params = jaxdist.create_variables({"w": np.zeros((8, 1), np.float32), "b": np.zeros(1, np.float32)}, optimizer=optax.sgd(0.02))
@@ -53,9 +54,10 @@ def _run(kill_ps: bool, tmp_path) -> tuple[float, int]:  # type: ignore[no-untyp
             for i in range(40):
                 coord.schedule(step, args=(r * 40 + i,))
             if kill_ps and r == 4:
-                time.sleep(0.05)
+                poll_for(lambda: coord.closure_counts.running > 0, 30, what="closures in flight")
                 cluster.kill("ps:1")
-                time.sleep(0.5)
+                # The watcher (or a closure meeting the dead PS) holds dispatch until ps:1 is restored.
+                poll_for(lambda: not coord.dispatching, 30, what="dispatch held while ps:1 is down")
                 cluster.restart("ps:1")
             coord.join()
             mgr.save(r + 1)
@@ -63,6 +65,7 @@ def _run(kill_ps: bool, tmp_path) -> tuple[float, int]:  # type: ignore[no-untyp
         p = jaxdist.pull(params)
         loss = float(np.mean((x @ p["w"] + p["b"] - y) ** 2))
         recoveries = coord.ps_recoveries
+        assert coord.dispatching
         coord.shutdown()
         return loss, recoveries
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -19,7 +18,7 @@ from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.backup import Replication
 from jaxdist.ps_server.store import VariableStore
 
-from conftest import poll_for
+from jaxdist.testing import poll_for
 
 
 # ------------------------------------------------------------- sans-IO protocol
@@ -159,8 +158,6 @@ def test_counter_is_exact_despite_sigkill_of_primaries() -> None:
             c1 = jaxdist.create_variable(np.zeros((), np.int64), name="c1")
         assert (c0.ps_index, c1.ps_index) == (0, 1)
         coord = jaxdist.ClusterCoordinator(strategy)
-        done = [0]
-        lock = threading.Lock()
 
         def add() -> None:
             time.sleep(0.01)

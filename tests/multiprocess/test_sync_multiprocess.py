@@ -29,10 +29,30 @@ EPOCHS = 2
 # ---------------------------------------------------------------------------------------
 
 
-def _child_train(out_path: str) -> None:
+def _tpu_strategy() -> Any:
+    """TF's TPU set-up on a fake TPU VM slice (2 hosts x 4 fake CPU devices, see _tpu_env)."""
+    import jaxdist
+
+    resolver = jaxdist.TPUClusterResolver(tpu="", coordinator_address=os.environ["TEST_TPU_COORDINATOR"])
+    jaxdist.experimental_connect_to_cluster(resolver)
+    topology = jaxdist.initialize_tpu_system(resolver)
+    assert topology.mesh_shape.tolist() == [2, 2, 2, 1] and topology.num_tasks == 2, topology
+    # RING walks each host's 2x2 chips in a snake: replica order 0, 1, 3, 2 on each host.
+    da = jaxdist.DeviceAssignment.build(topology, num_replicas=8, device_order_mode="RING")
+    strategy = jaxdist.TPUStrategy(resolver, experimental_device_assignment=da)
+    import jax
+
+    per_host = {p: sorted(d.id for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())}
+    ordinals = [per_host[d.process_index].index(d.id) for d in strategy.devices]
+    assert ordinals == [0, 1, 3, 2, 0, 1, 3, 2], ordinals
+    assert strategy.num_replicas_in_sync == 8 and jax.process_count() == 2
+    return strategy
+
+
+def _child_train(out_path: str, tpu: bool = False) -> None:
     import jaxdist.sync as sd
 
-    strategy = sd.MultiWorkerMirroredStrategy(init_timeout_s=60)
+    strategy = _tpu_strategy() if tpu else sd.MultiWorkerMirroredStrategy(init_timeout_s=60, peer_timeout_s=30)
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -90,16 +110,70 @@ def _child_train(out_path: str) -> None:
         p, o, loss = strategy.run(step, args=(p, o, batch))
         losses.append(float(strategy.reduce(sd.ReduceOp.SUM, loss)))
     out = {k: np.asarray(v) for k, v in p.items()}
+
+    # Metrics over the data (short last batch, no mask), summed across replicas of every process.
+    import jaxdist
+
+    with strategy.scope():
+        v = jaxdist.create_variables({k: np.asarray(a) for k, a in p.items()})
+        acc = jaxdist.metrics.SparseCategoricalAccuracy()
+        xent = jaxdist.metrics.SparseCategoricalCrossentropy(from_logits=True)
+
+    def eval_step(batch: Any) -> None:
+        bx, by = batch
+        q = jaxdist.read_variables(v)
+        logits = jax.nn.relu(bx @ q["w1"] + q["b1"]) @ q["w2"] + q["b2"]
+        acc.update_state(by, logits)
+        xent.update_state(by, logits)
+
+    for batch in strategy.experimental_distribute_dataset(batches):
+        strategy.run(eval_step, args=(batch,))
+    metrics = [float(acc.result()), float(acc.count.value()), float(xent.result())]
+    # One checkpoint for the job: every process calls save, process 0 writes it; every process restores it.
+    ckpt = jaxdist.Checkpoint(strategy)
+    ckpt.step = 7
+    path = ckpt.save(os.path.join(os.environ["TEST_CKPT_DIR"], "ckpt-7"))
+    for var in jax.tree.leaves(v):
+        var.assign(np.zeros(var.shape, var.dtype))
+    ckpt.restore(path)
+    restored = all(np.array_equal(np.asarray(v[k]), out[k]) for k in out) and ckpt.step == 7
     np.savez(
         out_path,
         losses=np.asarray(losses),
         replicas=strategy.num_replicas_in_sync,
-        processes=strategy.num_processes,
+        processes=getattr(strategy, "num_processes", jax.process_count()),
         local=len(strategy.experimental_local_results(loss)),
+        metrics=np.asarray(metrics),
+        restored=restored,
         **out,
     )
-    strategy.shutdown()
+    if hasattr(strategy, "shutdown"):
+        strategy.shutdown()
     print("TRAIN_DONE", flush=True)
+
+
+def _child_tpu(out_path: str) -> None:
+    _child_train(out_path, tpu=True)
+
+
+def _child_timeout(rank: str) -> None:
+    """Process 1 keeps heartbeating but never joins the collective; process 0's step times out."""
+    import jaxdist
+
+    strategy = jaxdist.MultiWorkerMirroredStrategy(
+        init_timeout_s=60, peer_timeout_s=60, communication_options=jaxdist.CommunicationOptions(timeout_seconds=2)
+    )
+    import jax
+    import numpy as np
+
+    if strategy.process_index == 1:
+        sys.stdin.read()  # a peer that never joins the step; the parent kills it once process 0 has failed
+        return
+    x = strategy.experimental_distribute_values_from_function(lambda ctx: np.ones((4,), np.float32))
+    out = strategy.run(lambda v: jax.lax.psum(v, "replica"), args=(x,))
+    print("STEP_DISPATCHED", flush=True)
+    np.asarray(out)
+    print("STEP_FINISHED (unexpected)", flush=True)
 
 
 def _child_loop(progress_path: str, on_peer_failure: str = "abort") -> None:
@@ -152,10 +226,15 @@ def _env(devices: int, tf_config: dict[str, Any] | None) -> dict[str, str]:
     return env
 
 
-def _spawn(mode: str, arg: str, devices: int, tf_config: dict[str, Any] | None) -> subprocess.Popen[str]:
+def _spawn(
+    mode: str, arg: str, devices: int, tf_config: dict[str, Any] | None, extra_env: dict[str, str] | None = None
+) -> subprocess.Popen[str]:
+    env = _env(devices, tf_config)
+    env.update(extra_env or {})
     return subprocess.Popen(
         [sys.executable, __file__, mode, arg],
-        env=_env(devices, tf_config),
+        env=env,
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -187,30 +266,81 @@ def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[in
 # ---------------------------------------------------------------------------------------
 
 
+def _tpu_env(i: int, port: int) -> dict[str, str]:
+    """A fake Cloud TPU VM slice: 2 hosts (loopback) of 2x2 chips, stacked along z."""
+    return {
+        "JAXDIST_TPU_FAKE_DEVICES": "cpu",
+        "TPU_WORKER_HOSTNAMES": "127.0.0.1,127.0.0.1",
+        "TPU_WORKER_ID": str(i),
+        "TPU_ACCELERATOR_TYPE": "v4-16",
+        "TPU_CHIPS_PER_HOST_BOUNDS": "2,2,1",
+        "TPU_HOST_BOUNDS": "1,1,2",
+        "TEST_TPU_COORDINATOR": f"127.0.0.1:{port}",
+    }
+
+
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_two_processes_match_one_process(tmp_path: Path) -> None:
-    """2 processes x 4 devices train to the same parameters as 1 process x 8 devices."""
+    """2 processes x 4 devices (MultiWorkerMirrored, and TPUStrategy on a fake 2-host TPU VM slice) train to
+    the same parameters as 1 process x 8 devices; metrics agree exactly; one checkpoint per job, restored."""
     import numpy as np
 
     cfgs = _two_worker_configs()
+    tpu_port = _free_port()
+    dirs = {g: tmp_path / f"ckpt_{g}" for g in ("ref", "mw", "tpu")}
     procs = [
-        _spawn("train", str(tmp_path / "ref.npz"), 8, None),
-        _spawn("train", str(tmp_path / "w0.npz"), 4, cfgs[0]),
-        _spawn("train", str(tmp_path / "w1.npz"), 4, cfgs[1]),
+        _spawn("train", str(tmp_path / "ref.npz"), 8, None, {"TEST_CKPT_DIR": str(dirs["ref"])}),
+        _spawn("train", str(tmp_path / "w0.npz"), 4, cfgs[0], {"TEST_CKPT_DIR": str(dirs["mw"])}),
+        _spawn("train", str(tmp_path / "w1.npz"), 4, cfgs[1], {"TEST_CKPT_DIR": str(dirs["mw"])}),
+        _spawn("tpu", str(tmp_path / "t0.npz"), 4, None, {**_tpu_env(0, tpu_port), "TEST_CKPT_DIR": str(dirs["tpu"])}),
+        _spawn("tpu", str(tmp_path / "t1.npz"), 4, None, {**_tpu_env(1, tpu_port), "TEST_CKPT_DIR": str(dirs["tpu"])}),
     ]
-    results = _finish(procs, timeout=150)
-    for name, (rc, so, se) in zip(("1x8", "worker:0", "worker:1"), results):
+    results = _finish(procs, timeout=280)
+    for name, (rc, so, se) in zip(("1x8", "worker:0", "worker:1", "tpu:0", "tpu:1"), results):
         assert rc == 0 and "TRAIN_DONE" in so, f"{name} failed (rc={rc}):\n{so[-2000:]}\n{se[-4000:]}"
     ref = np.load(tmp_path / "ref.npz")
     assert int(ref["replicas"]) == 8 and int(ref["processes"]) == 1 and int(ref["local"]) == 8
-    for name in ("w0", "w1"):
+    assert bool(ref["restored"])
+    for name in ("w0", "w1", "t0", "t1"):
         got = np.load(tmp_path / f"{name}.npz")
-        assert int(got["replicas"]) == 8 and int(got["processes"]) == 2 and int(got["local"]) == 4
+        assert int(got["replicas"]) == 8 and int(got["processes"]) == 2 and int(got["local"]) == 4, name
         assert len(got["losses"]) == (EPOCHS + 1) * 4
         for k in ("w1", "b1", "w2", "b2", "losses"):
             np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6, err_msg=f"{name}:{k}")
+        assert got["metrics"][:2].tolist() == ref["metrics"][:2].tolist(), name  # accuracy and count: exact
+        np.testing.assert_allclose(got["metrics"][2], ref["metrics"][2], rtol=1e-5)
+        assert float(got["metrics"][1]) == NUM_EXAMPLES  # every real row counted once, padding never
+        assert bool(got["restored"]), name
+    for g in ("mw", "tpu"):  # one checkpoint for the job, written once (by process 0)
+        assert sorted(p.name for p in dirs[g].iterdir()) == ["ckpt-7"]
+        assert sorted(f.name for f in (dirs[g] / "ckpt-7").iterdir()) == ["manifest.json", "vars-0.npz"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_collective_timeout_fails_the_job(tmp_path: Path) -> None:
+    """CommunicationOptions(timeout_seconds=2): a step stuck waiting for a peer ends process 0 with EXIT_PEER_FAILED."""
+    from jaxdist.sync import EXIT_PEER_FAILED
+
+    cfgs = _two_worker_configs()
+    procs = [_spawn("timeout", str(i), 1, cfgs[i]) for i in range(2)]
+    try:
+        try:
+            rc = procs[0].wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            rc = None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    so, se = procs[0].communicate()
+    procs[1].communicate()
+    assert rc == EXIT_PEER_FAILED, f"rc={rc}\n{so[-1000:]}\n{se[-3000:]}"
+    assert "STEP_FINISHED" not in so  # (with gloo the wait may already be inside the dispatch: watched too)
+    assert "timeout_seconds=2" in se, se[-2000:]
 
 
 def _start_loop_pair(tmp_path: Path, mode: str = "loop") -> tuple[list[subprocess.Popen[str]], list[Path]]:
@@ -304,4 +434,4 @@ def test_killed_worker_raises_typed_error_in_raise_mode(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     mode, arg = sys.argv[1], sys.argv[2]
-    {"train": _child_train, "loop": _child_loop, "loop_raise": _child_loop_raise}[mode](arg)
+    {"train": _child_train, "tpu": _child_tpu, "timeout": _child_timeout, "loop": _child_loop, "loop_raise": _child_loop_raise}[mode](arg)

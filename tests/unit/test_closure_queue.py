@@ -1,5 +1,7 @@
 """ClosureQueue without sockets or workers: TF's error/cancellation contract."""
 
+from __future__ import annotations
+
 import threading
 
 import pytest
@@ -38,7 +40,7 @@ def test_error_cancels_queued_and_raises_once() -> None:
         q.put(c)
     (running,) = q.get(0, timeout=0)
     err = KeyError("boom")
-    running.remote_value._set_error(err)
+    running.fail(err)
     q.mark_failed(err)
     for c in cs[1:]:
         assert c.remote_value.status is RemoteValueStatus.ABORTED
@@ -76,27 +78,85 @@ def test_error_waits_for_running_closures() -> None:
     assert raised.is_set()
 
 
-def test_put_back_retries_first_and_counts_attempts() -> None:
+def test_retry_goes_first_and_counts_an_attempt() -> None:
     q = ClosureQueue()
     a, b = Closure(noop), Closure(noop)
     q.put(a)
     q.put(b)
     (got,) = q.get(0, timeout=0)
-    q.put_back(got)
+    q.retry(got)
     assert got.attempt == 1 and q.retried == 1
     assert q.get(1, timeout=0)[0] is a
+    assert q.inflight == 1
 
 
-def test_put_back_after_error_cancels() -> None:
+def test_return_unrun_goes_first_without_an_attempt() -> None:
     q = ClosureQueue()
     a, b = Closure(noop), Closure(noop)
+    q.put(a)
+    q.put(b)
+    (got,) = q.get(0, timeout=0)
+    q.return_unrun(got)
+    assert got.attempt == 0 and q.retried == 0 and q.inflight == 0
+    assert q.get(1, max_n=2, timeout=0) == [a, b]
+
+
+def test_tagged_closure_comes_back_to_its_worker() -> None:
+    q = ClosureQueue()
+    t = Closure(noop)
+    q.put_tagged(1, t)
+    (got,) = q.get(1, timeout=0)
+    q.retry(got)
+    assert q.get(0, timeout=0) == []
+    assert q.get(1, timeout=0) == [t] and t.attempt == 1
+
+
+@pytest.mark.parametrize("how", ["retry", "return_unrun"])
+def test_requeue_after_error_cancels_and_gives_data_back(how: str) -> None:
+    q = ClosureQueue()
+    a, b = Closure(noop), Closure(noop)
+    given_back = []
+    b.on_cancel = lambda: given_back.append(b.id)
     q.put(a)
     q.put(b)
     (ga,) = q.get(0, timeout=0)
     (gb,) = q.get(1, timeout=0)
     q.mark_failed(RuntimeError("x"))
-    q.put_back(gb)
+    getattr(q, how)(gb)
     assert gb.remote_value.status is RemoteValueStatus.ABORTED
+    assert given_back == [b.id]
+    assert q.retried == 0
+
+
+def test_held_queue_hands_out_nothing_until_released() -> None:
+    q = ClosureQueue()
+    a = Closure(noop)
+    q.put(a)
+    q.set_held(True)
+    assert q.held and q.get(0, timeout=0) == []
+    assert q.pause(timeout=0)  # a checkpoint's pause nests with the hold
+    q.set_held(False)
+    assert q.get(0, timeout=0) == []  # still paused
+    q.resume()
+    assert q.get(0, timeout=0) == [a]
+
+
+def test_closure_settles_once_and_runs_ledger_hooks_once() -> None:
+    import cloudpickle
+
+    events: list[str] = []
+    ok = Closure(noop)
+    ok.on_done, ok.on_cancel = (lambda: events.append("done")), (lambda: events.append("cancel"))
+    ok.succeed(cloudpickle.dumps(7))
+    ok.fail(RuntimeError("late"))  # a late failure of another attempt changes nothing
+    assert ok.remote_value.fetch() == 7 and events == ["done"]
+    bad = Closure(noop)
+    bad.on_cancel = lambda: events.append("cancel")
+    bad.fail(KeyError("k"))
+    bad.cancel(CancelledError("c"))
+    assert events == ["done", "cancel"] and bad.remote_value.status is RemoteValueStatus.READY
+    with pytest.raises(KeyError):
+        bad.remote_value.fetch()
 
 
 def test_tagged_closures_only_go_to_their_worker_first() -> None:
@@ -132,6 +192,20 @@ def test_result_is_set_once() -> None:
     c = Closure(noop)
     import cloudpickle
 
-    c.remote_value._set_result(cloudpickle.dumps(1))
-    c.remote_value._set_result(cloudpickle.dumps(2))
+    c.remote_value.set_result(cloudpickle.dumps(1))
+    c.remote_value.set_result(cloudpickle.dumps(2))
     assert c.remote_value.fetch() == 1
+
+
+def test_dispatching_is_false_while_paused_held_or_stopped() -> None:
+    q = ClosureQueue()
+    assert q.dispatching
+    q.pause(timeout=0)
+    assert not q.dispatching
+    q.resume()
+    q.set_held(True)
+    assert not q.dispatching
+    q.set_held(False)
+    assert q.dispatching
+    q.stop()
+    assert not q.dispatching

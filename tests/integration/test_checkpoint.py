@@ -1,9 +1,10 @@
-"""Checkpoints on real PS processes: round trip, re-sharding, crash safety, restore without a cluster."""
+"""Checkpoints on in-process PS services: round trip, re-sharding, crash safety, quiet points, restore without a cluster."""
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -12,8 +13,11 @@ import pytest
 
 import jaxdist
 from jaxdist import checkpoint as ckpt
+from jaxdist.testing import InProcessCluster, poll_for
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.multiprocess]
+import inprocess_gates as gates
+
+pytestmark = [pytest.mark.timeout(120)]
 
 RNG = np.random.default_rng(0)
 TREE = {
@@ -25,7 +29,7 @@ TREE = {
 
 @pytest.fixture(scope="module")
 def clusters():  # type: ignore[no-untyped-def]
-    with jaxdist.LocalCluster(num_workers=1, num_ps=2) as two, jaxdist.LocalCluster(num_workers=1, num_ps=3) as three:
+    with InProcessCluster(num_workers=1, num_ps=2) as two, InProcessCluster(num_workers=1, num_ps=3) as three:
         yield two, three
 
 
@@ -33,7 +37,19 @@ def _make(cluster, partitioner, init=None):  # type: ignore[no-untyped-def]
     s = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=partitioner)
     with s.scope():
         params = jaxdist.create_variables(init if init is not None else TREE, name="m", optimizer=optax.adam(0.1), if_exists="replace")
+    _compile_optimizers(params)
     return s, params
+
+
+def _compile_optimizers(params):  # type: ignore[no-untyped-def]
+    """One zero-gradient push per variable, so each PS compiles its optimizer steps one push at a time.
+
+    In-process, every PS compiles in this process, where tracing holds the GIL; a push whose deadline
+    covered all the compiles of a PS at once missed it on a heavily loaded machine. (A zero first
+    step of adam leaves the parameters as they are; the tests compare states after it.)
+    """
+    for var in jax.tree.leaves(params):
+        jaxdist.apply_gradients(var, np.zeros(var.shape, var.dtype))
 
 
 def _train(params, steps=3, seed=1):  # type: ignore[no-untyped-def]
@@ -162,3 +178,57 @@ def test_restore_without_the_cluster(clusters, tmp_path) -> None:  # type: ignor
     shard = manifest["variables"]["m/emb"]["shards"][1]
     with np.load(os.path.join(path, shard["file"])) as f:
         np.testing.assert_array_equal(f[f"param/{shard['name']}"], want["emb"][shard["row_start"] :])
+
+
+def test_save_waits_for_running_closures_and_holds_new_ones(clusters, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A save is one quiet point: closures running when it starts finish first, none starts meanwhile."""
+    two, _ = clusters
+    s = jaxdist.ParameterServerStrategy(two.cluster_resolver())
+    with s.scope():
+        counter = jaxdist.create_variable(np.zeros((), np.int64), name="quiet", if_exists="replace")
+    coord = jaxdist.ClusterCoordinator(s)
+    c = jaxdist.Checkpoint(s)  # the strategy's coordinator is paused
+    assert c.coordinator is coord
+    release = gates.new_name("release")
+
+    def slow_add() -> None:
+        gates.arrive(release)
+        gates.event(release).wait(30)
+        counter.assign_add(1)
+
+    running = coord.schedule(slow_add)
+    poll_for(lambda: gates.arrivals(release) == 1, 30, what="the closure to run")
+    saved: dict[str, str] = {}
+    saver = threading.Thread(target=lambda: saved.setdefault("path", c.save(str(tmp_path / "ckpt-1"))), name="saver")
+    saver.start()
+    poll_for(lambda: not coord.dispatching, 30, what="the save to pause dispatch")
+    later = coord.schedule(lambda: counter.assign_add(10))
+    gates.event(release).set()
+    saver.join(30)
+    assert not saver.is_alive()
+    running.fetch(timeout=30)
+    later.fetch(timeout=30)
+    # The snapshot holds the running closure's update and not the one scheduled during the save.
+    assert int(ckpt.load(saved["path"])["variables"]["quiet"]) == 1
+    assert int(counter.numpy()) == 11
+    coord.shutdown(exit_tasks=False)
+    s.close()
+
+
+def test_restore_brings_the_data_ledger_back(clusters, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    two, _ = clusters
+    s = jaxdist.ParameterServerStrategy(two.cluster_resolver())
+    with s.scope():
+        jaxdist.create_variable(np.zeros((), np.int64), name="ledger-step", if_exists="replace")
+    led = jaxdist.DataLedger(num_batches=4, epochs=1)
+    for _ in range(3):
+        led.take()
+    led.mark_done(0)
+    led.give_back(2)
+    path = jaxdist.Checkpoint(s, ledger=led).save(str(tmp_path / "ckpt-5"))
+    fresh = jaxdist.DataLedger(num_batches=4, epochs=1)
+    jaxdist.Checkpoint(s, ledger=fresh).restore(path)
+    # Handed out but not done (1 and 2) come first, then the rest; 0 is done.
+    assert [fresh.take() for _ in range(4)] == [1, 2, 3, None]
+    assert fresh.completed == 1
+    s.close()

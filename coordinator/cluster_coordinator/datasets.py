@@ -1,0 +1,261 @@
+"""Per-worker datasets and the exactly-once data ledger (the coordinator's side).
+
+- :class:`PerWorkerDataset`: ``dataset_fn`` built on every worker (and
+  rebuilt on a worker that restarts or joins); ``iter()`` of it is a
+  :class:`PerWorkerDatasetIterator` that closures receive as their own
+  worker's iterator.
+- **Exactly-once data** (:class:`ExactlyOnceDataset`): ``dataset_fn``
+  returns the whole data set as ``num_batches`` batches; the coordinator's
+  :class:`DataLedger` gives each scheduled closure one batch *position*
+  (:func:`assign_ledger_positions`, at ``schedule`` time) and the closure's
+  ``next(it)`` returns that batch on whichever worker runs it. A closure
+  re-run after a worker failure keeps its position; a cancelled or failed
+  closure gives it back to a later closure; after ``num_batches * epochs``
+  positions ``next`` ends the data. With exactly-once updates every batch
+  of every epoch is trained on exactly once.
+- :func:`steps_per_execution` runs several steps in one closure.
+
+Batches travel to the worker as persistent ids of the argument protocol
+(:mod:`jaxdist.worker.closure_args`); the worker reads ``ds[index]`` itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+from jaxdist.base.input_context import InputContext
+from jaxdist.cluster_coordinator.closure_queue import Closure
+from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues
+from jaxdist.worker.closure_args import PersistentId, WorkerResident, batch_ref
+from jaxdist.worker.context import current_num_workers, current_worker_index
+
+if TYPE_CHECKING:
+    from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
+
+__all__ = [
+    "DataLedger",
+    "ExactlyOnceDataset",
+    "ExactlyOnceIterator",
+    "LedgerItem",
+    "PerWorkerDataset",
+    "PerWorkerDatasetIterator",
+    "assign_ledger_positions",
+    "steps_per_execution",
+]
+
+
+class DataLedger:
+    """The coordinator's record of which batches of an epoch were handed out and trained on.
+
+    Positions ``0 .. num_batches * epochs - 1`` are handed out in order
+    (position ``p`` is batch ``p % num_batches``); a closure that is
+    cancelled or fails gives its position back and the next closure gets it
+    again; a closure re-run after a worker failure keeps its position. With
+    exactly-once updates this trains on every batch of every epoch exactly
+    once. Thread-safe.
+    """
+
+    def __init__(self, num_batches: int, epochs: int = 1) -> None:
+        if num_batches < 1 or epochs < 1:
+            raise ValueError("num_batches and epochs must be >= 1")
+        self.num_batches = num_batches
+        self.epochs = epochs
+        self._next = 0
+        self._returned: collections.deque[int] = collections.deque()
+        self._done: set[int] = set()
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """The next position to train on (given-back ones first); None when the data is exhausted."""
+        with self._lock:
+            if self._returned:
+                return self._returned.popleft()
+            if self._next >= self.num_batches * self.epochs:
+                return None
+            self._next += 1
+            return self._next - 1
+
+    def give_back(self, position: int) -> None:
+        """``position``'s closure was cancelled or failed: hand it out again, first."""
+        with self._lock:
+            if position not in self._done:
+                self._returned.appendleft(position)
+
+    def mark_done(self, position: int) -> None:
+        """``position``'s closure finished: its batch is trained on."""
+        with self._lock:
+            self._done.add(position)
+
+    @property
+    def completed(self) -> int:
+        with self._lock:
+            return len(self._done)
+
+    def state(self) -> dict[str, Any]:
+        """Serializable state (for checkpoints): what was trained and what remains."""
+        with self._lock:
+            return {"num_batches": self.num_batches, "epochs": self.epochs, "next": self._next,
+                    "returned": sorted(self._returned), "done": sorted(self._done)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Become the ledger ``state`` describes (a checkpoint's). Positions handed out but not
+        completed then are handed out again first."""
+        done = set(state["done"])
+        returned = collections.deque(sorted(set(state["returned"]) | (set(range(state["next"])) - done)))
+        with self._lock:
+            self.num_batches = state["num_batches"]
+            self.epochs = state["epochs"]
+            self._done = done
+            self._returned = returned
+            self._next = state["next"]
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> DataLedger:
+        led = cls(state["num_batches"], state["epochs"])
+        led.load_state(state)
+        return led
+
+
+class LedgerItem(WorkerResident):
+    """Batch ``index`` of per-worker dataset ``resource_id`` (None: the ledger is exhausted)."""
+
+    __slots__ = ("resource_id", "index")
+
+    def __init__(self, resource_id: int, index: int | None) -> None:
+        self.resource_id = resource_id
+        self.index = index
+
+    def persistent_id(self) -> PersistentId:
+        return batch_ref(self.resource_id, self.index)
+
+
+def assign_ledger_positions(closure: Closure) -> None:
+    """Give ``closure`` one ledger position per exactly-once iterator among its arguments.
+
+    The iterators are replaced by :class:`LedgerItem`s; the positions are
+    marked done when the closure finishes and given back when it is
+    cancelled or fails (the closure's ``on_done``/``on_cancel``).
+    """
+    taken: list[tuple[DataLedger, int]] = []
+
+    def assign(x: Any) -> Any:
+        if not isinstance(x, ExactlyOnceIterator):
+            return x
+        pos = x.ledger.take()
+        if pos is None:
+            return LedgerItem(x.resource_id, None)
+        taken.append((x.ledger, pos))
+        return LedgerItem(x.resource_id, pos % x.ledger.num_batches)
+
+    closure.args, closure.kwargs = jax.tree.map(
+        assign, (closure.args, closure.kwargs), is_leaf=lambda x: isinstance(x, PerWorkerValues)
+    )
+    if taken:
+
+        def on_done() -> None:
+            for led, p in taken:
+                led.mark_done(p)
+
+        def on_cancel() -> None:
+            for led, p in taken:
+                led.give_back(p)
+
+        closure.on_done = on_done
+        closure.on_cancel = on_cancel
+
+
+def _call_dataset_fn(dataset_fn: Callable[..., Any]) -> Any:
+    """Runs on the worker: ``dataset_fn(InputContext)`` (or ``dataset_fn()`` if it takes nothing)."""
+    ctx = InputContext(num_input_pipelines=current_num_workers(), input_pipeline_id=current_worker_index(), num_replicas_in_sync=1)
+    try:
+        takes_arg = bool(inspect.signature(dataset_fn).parameters)
+    except (TypeError, ValueError):
+        takes_arg = True
+    return dataset_fn(ctx) if takes_arg else dataset_fn()
+
+
+class PerWorkerDataset:
+    """A dataset built on every worker. ``iter()`` gives a :class:`PerWorkerDatasetIterator`."""
+
+    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any]) -> None:
+        self._coordinator = coordinator
+        self._values = coordinator.create_per_worker_resource(_call_dataset_fn, (dataset_fn,))
+
+    def __iter__(self) -> PerWorkerDatasetIterator:
+        return PerWorkerDatasetIterator(self._coordinator.create_per_worker_resource(iter, (self._values,)))
+
+
+class ExactlyOnceDataset(PerWorkerDataset):
+    """A per-worker dataset read by batch position from the coordinator's :class:`DataLedger`."""
+
+    def __init__(self, coordinator: ClusterCoordinator, dataset_fn: Callable[..., Any], ledger: DataLedger) -> None:
+        super().__init__(coordinator, dataset_fn)
+        self.ledger = ledger
+
+    def __iter__(self) -> ExactlyOnceIterator:  # type: ignore[override]
+        return ExactlyOnceIterator(self._values, self.ledger)
+
+
+class ExactlyOnceIterator(PerWorkerValues):
+    """Pass to ``schedule``: each closure gets the batch the ledger assigns it."""
+
+    def __init__(self, values: PerWorkerResourceValues, ledger: DataLedger) -> None:
+        self._inner = values
+        self.resource_id = values.resource_id
+        self.ledger = ledger
+
+    def value_for(self, worker_index: int) -> Any:  # pragma: no cover - replaced at schedule time
+        raise AssertionError("ledger iterators are resolved when the closure is scheduled")
+
+    def __iter__(self) -> ExactlyOnceIterator:
+        return self
+
+    def __next__(self) -> Any:
+        raise TypeError("pass the iterator to coordinator.schedule(fn, args=(it,)) and call next(it) inside fn")
+
+
+class PerWorkerDatasetIterator(PerWorkerValues):
+    """One iterator per worker; pass it to ``schedule`` and call ``next()`` on it in the closure."""
+
+    def __init__(self, values: PerWorkerValues) -> None:
+        self._inner = values
+
+    def value_for(self, worker_index: int) -> Any:
+        return self._inner.value_for(worker_index)
+
+    def __iter__(self) -> PerWorkerDatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        raise TypeError(
+            "a per-worker iterator lives on the workers: pass it to coordinator.schedule(fn, args=(it,)) "
+            "and call next(it) inside fn"
+        )
+
+    def __repr__(self) -> str:
+        return f"PerWorkerDatasetIterator({self._inner!r})"
+
+
+def steps_per_execution(fn: Callable[..., Any], steps: int) -> Callable[..., Any]:
+    """Run ``fn`` ``steps`` times inside one closure (TF's ``steps_per_execution``); returns the last result.
+
+    Scheduling ``steps_per_execution(train_step, 10)`` cuts per-closure
+    overhead tenfold. Each inner step's pushes keep their own identities, so
+    a re-run closure still applies every step's update exactly once.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        out = None
+        for _ in range(steps):
+            out = fn(*args, **kwargs)
+        return out
+
+    run.__name__ = f"{getattr(fn, '__name__', 'fn')}_x{steps}"
+    return run

@@ -1,0 +1,500 @@
+"""How ``strategy.run`` / ``run_steps`` compile and call a replica function.
+
+One compiled program per (function, argument structure and signature):
+
+1. *Discovery* (when variables exist): ``fn`` is traced once with a
+   discovering frame, which records the variables it reads and assigns
+   (reads return their current values; an optimizer may build its state here).
+2. *Trace*: ``fn`` is traced again with those variables as extra inputs
+   (local views: the mirrored value, or this replica's part of a
+   sync-on-read variable) and the assigned ones as extra outputs. The
+   replication analysis (:mod:`jaxdist.sync._varying`) decides which outputs
+   are per-replica and refuses a mirrored variable assigned a value that
+   differs between replicas.
+3. The jaxpr is wrapped in ``jax.shard_map`` over the strategy's mesh (in
+   ``steps`` mode inside a ``lax.scan`` that carries the assigned variables
+   from one step to the next) and ``jax.jit``.
+
+Calling it passes the variables' current values (or, nested in
+:func:`jaxdist.function`, the enclosing frame's traced values) and writes the
+assigned ones back.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.sync import context as ctx_lib
+from jaxdist.sync._varying import varying_outputs
+from jaxdist.sync.strategy import (
+    _PER_REPLICA,
+    _REPLICATED,
+    _RETRACE_WARN_AFTER,
+    _ROWS,
+    _RUN_CACHE_SIZE,
+    _STATIC,
+    AXIS,
+    _captures,
+    _changed_capture,
+    _fn_key,
+    _is_array_like,
+    _is_tracer,
+    _Program,
+    _RowsInfo,
+)
+from jaxdist.sync.values import PerReplica, is_per_replica
+from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, _under_foreign_trace
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_program", "stack_batches", "default_run_stacked"]
+
+
+def _leaf_kind(x: Any) -> bool:
+    return isinstance(x, (PerReplica, SyncVariable))
+
+
+def _aval_key(a: Any) -> tuple[Any, ...]:
+    aval = getattr(a, "aval", a)
+    return (tuple(a.shape), str(a.dtype), bool(getattr(aval, "weak_type", False)))
+
+
+def _find_rows(leaves: list[Any], scanned: list[bool], steps: int | None) -> _RowsInfo | None:
+    """The row counts of the (first) uneven batch among the inputs, checked against the others."""
+    info: _RowsInfo | None = None
+    for x, sc in zip(leaves, scanned):
+        if not isinstance(x, PerReplica) or x.row_counts is None:
+            continue
+        if steps is not None and not sc:
+            continue
+        padded = int(x.stacked.shape[2] if steps is not None else x.stacked.shape[1])
+        host = None if _is_tracer(x.row_counts) else x._rows_host
+        if info is None:
+            info = _RowsInfo(x.row_counts, host, padded, bool(x._guard))
+            continue
+        if padded != info.padded:
+            raise ConfigurationError(
+                "strategy.run got two uneven batches with different padded row counts "
+                f"({info.padded} and {padded}); pass one distributed batch per step"
+            )
+        if host is not None and info.host is not None and not np.array_equal(host, info.host):
+            raise ConfigurationError(
+                "strategy.run got per-replica batches with different row counts; pass one distributed batch per step"
+            )
+        info.guard = info.guard or bool(x._guard)
+    return info
+
+
+def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, steps: int | None) -> Any:
+    """``strategy.run`` (and ``run_steps`` when ``steps`` is set) of a mesh strategy."""
+    parent = ctx_lib.current_frame()
+    if isinstance(parent, ReplicaFrame):
+        raise RuntimeError("strategy.run cannot be called inside another strategy.run (or its merge_call)")
+    if parent is not None:
+        parent.strategies.add(strategy)
+    leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=_leaf_kind)
+    n_batch = len(jax.tree.flatten(args[0], is_leaf=_leaf_kind)[0]) if steps is not None and args else 0
+    scanned = [i < n_batch for i in range(len(leaves))]
+    rows = _find_rows(leaves, scanned, steps)
+
+    kinds: list[str] = []
+    dyn: list[Any] = []
+    dyn_scanned: list[bool] = []
+    statics: list[Any] = []
+    for leaf, sc in zip(leaves, scanned):
+        if isinstance(leaf, PerReplica):
+            kinds.append(_PER_REPLICA)
+            dyn.append(strategy._to_per_replica(leaf))
+            dyn_scanned.append(sc)
+        elif _is_array_like(leaf):
+            if sc:
+                raise ConfigurationError(
+                    "run_steps/run_epoch: every array of a batch must be distributed (PerReplica): iterate a "
+                    "distributed dataset (strategy.experimental_distribute_dataset)"
+                )
+            kinds.append(_REPLICATED)
+            dyn.append(strategy._to_replicated(leaf))
+            dyn_scanned.append(False)
+        else:
+            kinds.append(_STATIC)
+            statics.append(leaf)
+    if rows is not None:
+        kinds.append(_ROWS)
+        dyn.append(strategy._place_per_replica(rows.rows))
+        dyn_scanned.append(steps is not None)
+    signature = tuple(_aval_key(a) for a in dyn)
+    key = (_fn_key(fn), in_tree, tuple(kinds), signature, tuple(statics), steps, tuple(dyn_scanned), parent is not None)
+    try:
+        hash(key)
+    except TypeError:
+        raise TypeError(
+            "strategy.run: non-array arguments are static and must be hashable; got "
+            f"{[type(s).__name__ for s in statics]}"
+        ) from None
+
+    with strategy._programs_lock:
+        program = strategy._programs.get(key)
+        if program is not None:
+            strategy._programs.move_to_end(key)
+    retraces = 0
+    if program is not None:
+        if program.owner is not None and program.owner() is not getattr(fn, "__self__", None):
+            program = None
+        else:
+            changed = _changed_capture(program.captures)
+            if changed is not None:
+                retraces = program.retraces + 1
+                (logger.warning if retraces == _RETRACE_WARN_AFTER else logger.info)(
+                    "strategy.run(%s): %r, which the function reads, is no longer the object it was traced with; "
+                    "tracing again so the new value is used%s",
+                    getattr(fn, "__name__", fn),
+                    changed,
+                    " (it changes on every call: pass it as an argument to run instead, to compile once)"
+                    if retraces >= _RETRACE_WARN_AFTER
+                    else "",
+                )
+                program = None
+    if program is None:
+        program = _build(strategy, fn, in_tree, kinds, dyn, dyn_scanned, statics, steps, rows, parent)
+        program.retraces = retraces
+        with strategy._programs_lock:
+            strategy._programs[key] = program
+            while len(strategy._programs) > _RUN_CACHE_SIZE:
+                strategy._programs.popitem(last=False)
+
+    if rows is not None and rows.guard and not program.rows_used and rows.host is not None and (rows.host < rows.padded).any():
+        counts = rows.host.tolist()
+        raise ConfigurationError(
+            f"strategy.run({getattr(fn, '__name__', fn)}): this batch gives the replicas {counts} real rows, "
+            f"padded to {rows.padded} (TF's split of a short batch), but fn never asks which rows are real, so the "
+            "zero padding would count as data. Compute the loss with jaxdist.compute_average_loss and metrics with "
+            "jaxdist.metrics (both skip padding), or use jaxdist.get_replica_context().row_mask(); or distribute "
+            "with with_mask=True (and weight by the mask yourself) or drop_remainder=True"
+        )
+
+    if parent is None and program.variables and (
+        any(_is_tracer(a) for a in dyn) or _under_foreign_trace()
+    ):
+        raise ConfigurationError(
+            f"strategy.run({getattr(fn, '__name__', fn)}) uses variables ({program.variables[0].name!r}...) inside "
+            "jax.jit (or another JAX transformation): jax.jit would capture their values as constants and lose the "
+            "updates. Decorate the compiled function with jaxdist.function instead of jax.jit (it threads variable "
+            "state through the compiled function, as TF's tf.function does)"
+        )
+    var_inputs = []
+    for v in program.variables:
+        g = parent.global_value(v) if parent is not None else v._value
+        if _is_tracer(g):
+            var_inputs.append(g)
+        else:
+            var_inputs.append(strategy._place_per_replica(g) if v.on_read else strategy._to_replicated(g))
+    outs = strategy._dispatch(program.jitted, *dyn, *var_inputs)
+    n_user = len(program.out_varying)
+    for v, nv in zip(program.assigned, outs[n_user:]):
+        if parent is not None:
+            parent.values[v] = nv
+            parent.touched[v] = None
+            parent.assigned[v] = None
+        else:
+            v._value = strategy._store_on_read(nv) if v.on_read else strategy._store_variable(nv)
+    wrapped = [
+        PerReplica(o) if varying else strategy._mirrored.add(strategy._finish_replicated(o))
+        for o, varying in zip(outs[:n_user], program.out_varying)
+    ]
+    return jax.tree.unflatten(program.out_tree, wrapped)
+
+
+def _local_aval(a: Any, kind: str, scanned: bool, steps: int | None) -> jax.ShapeDtypeStruct:
+    """What one replica sees of a dyn input in ONE step."""
+    aval = getattr(a, "aval", a)
+    weak = bool(getattr(aval, "weak_type", False))
+    if kind in (_PER_REPLICA, _ROWS):
+        shape = a.shape[2:] if (steps is not None and scanned) else a.shape[1:]
+    else:
+        shape = a.shape
+    return jax.ShapeDtypeStruct(tuple(shape), a.dtype, weak_type=weak)
+
+
+def _build(
+    strategy: Any,
+    fn: Callable[..., Any],
+    in_tree: Any,
+    kinds: list[str],
+    dyn: list[Any],
+    dyn_scanned: list[bool],
+    statics: list[Any],
+    steps: int | None,
+    rows: Any,
+    parent: Any,
+) -> _Program:
+    strategy._trace_count += 1
+    r = strategy.num_replicas_in_sync
+    dyn_kinds = [k for k in kinds if k != _STATIC]
+    local_avals = [_local_aval(a, k, sc, steps) for a, k, sc in zip(dyn, dyn_kinds, dyn_scanned)]
+    has_rows = rows is not None
+    padded = rows.padded if has_rows else None
+    n_args = len(local_avals) - (1 if has_rows else 0)
+    out_tree_box: list[Any] = []
+
+    def call(local: Sequence[Any], frame: Any) -> tuple[list[Any], ctx_lib.ReplicaContext]:
+        it_dyn, it_static = iter(local[:n_args]), iter(statics)
+        full = [next(it_static) if k == _STATIC else next(it_dyn) for k in kinds if k != _ROWS]
+        args, kwargs = jax.tree.unflatten(in_tree, full)
+        rctx = ctx_lib.ReplicaContext(strategy, AXIS, local[n_args] if has_rows else None, padded)
+        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx):
+            out = fn(*args, **kwargs)
+        flat, tree = jax.tree.flatten(out, is_leaf=is_per_replica)
+        if any(isinstance(leaf, PerReplica) for leaf in flat):
+            raise TypeError("fn passed to strategy.run must return arrays, not PerReplica values")
+        if any(isinstance(leaf, SyncVariable) for leaf in flat):
+            raise TypeError("fn passed to strategy.run returned a variable: return its value (var.value())")
+        out_tree_box[:] = [tree]
+        return flat, rctx
+
+    touched: list[SyncVariable] = []
+    if parent is not None or strategy._variables:
+        dframe = ReplicaFrame(strategy, AXIS, discover=True, parent=parent)
+        jax.make_jaxpr(lambda *xs: call(xs, dframe)[0], axis_env=[(AXIS, r)])(*local_avals)
+        touched = list(dframe.touched)
+    var_avals = [jax.ShapeDtypeStruct(v.shape, v.dtype) for v in touched]
+    assigned_box: list[list[SyncVariable]] = []
+    rctx_box: list[ctx_lib.ReplicaContext] = []
+    n_user_box: list[int] = []
+
+    def traced(*xs: Any) -> list[Any]:
+        tframe = ReplicaFrame(strategy, AXIS, discover=False, parent=parent)
+        tframe.values = dict(zip(touched, xs[len(local_avals) :]))
+        flat, rctx = call(xs[: len(local_avals)], tframe)
+        assigned = list(tframe.assigned)
+        assigned_box[:] = [assigned]
+        rctx_box[:] = [rctx]
+        n_user_box[:] = [len(flat)]
+        return list(flat) + [tframe.values[v] for v in assigned]
+
+    closed = jax.make_jaxpr(traced, axis_env=[(AXIS, r)])(*local_avals, *var_avals)
+    assigned = assigned_box[0]
+    n_user = n_user_box[0]
+    in_varying = [k in (_PER_REPLICA, _ROWS) for k in dyn_kinds] + [v.on_read for v in touched]
+    out_varying = varying_outputs(closed, in_varying, AXIS)
+    for v, varies in zip(assigned, out_varying[n_user:]):
+        if varies and not v.on_read:
+            raise ConfigurationError(
+                f"strategy.run({getattr(fn, '__name__', fn)}) assigns the mirrored variable {v.name!r} a value that "
+                f"differs between replicas (aggregation={v.aggregation.name}): its {r} copies would drift apart. "
+                "All-reduce the update first (jaxdist.get_replica_context().all_reduce('sum', grads)), let "
+                "jaxdist.Optimizer apply the gradients (it all-reduces them as TF's optimizers do), or create the "
+                "variable with aggregation='sum'/'mean'"
+            )
+    user_varying = out_varying[:n_user]
+    out_var_spec = [v.on_read for v in assigned]
+
+    in_specs = tuple(P(AXIS) if k in (_PER_REPLICA, _ROWS) else P() for k in dyn_kinds) + tuple(
+        P(AXIS) if v.on_read else P() for v in touched
+    )
+    in_local_per_replica = [s == P(AXIS) for s in in_specs]
+    out_per_replica = list(user_varying) + out_var_spec
+    out_specs = tuple(P(AXIS) if pr else P() for pr in out_per_replica)
+    n_dyn = len(local_avals)
+    fun = jcore.jaxpr_as_fun(closed)
+    assigned_pos = [touched.index(v) for v in assigned]
+    scan_idx = [i for i, sc in enumerate(dyn_scanned) if sc]
+
+    def body(*blocks: Any) -> tuple[Any, ...]:
+        local = [b[0] if pr else b for b, pr in zip(blocks, in_local_per_replica)]
+        if steps is None:
+            outs = list(fun(*local))
+        else:
+            dyn_local, var_local = local[:n_dyn], local[n_dyn:]
+
+            def step(carry: tuple[Any, ...], xs: tuple[Any, ...]) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+                vals = list(var_local)
+                for p, c in zip(assigned_pos, carry):
+                    vals[p] = c
+                step_dyn = list(dyn_local)
+                for i, x in zip(scan_idx, xs):
+                    step_dyn[i] = x
+                o = fun(*step_dyn, *vals)
+                return tuple(o[n_user:]), tuple(o[:n_user])
+
+            carry0 = tuple(var_local[p] for p in assigned_pos)
+            final, ys = jax.lax.scan(step, carry0, tuple(dyn_local[i] for i in scan_idx))
+            outs = list(ys) + list(final)
+        return tuple(o[None] if pr else o for o, pr in zip(outs, out_per_replica))
+
+    smapped = jax.shard_map(body, mesh=strategy._mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    rep, per = strategy._replicated_sharding, strategy._per_replica_sharding
+    jitted = jax.jit(
+        smapped,
+        in_shardings=tuple(per if s == P(AXIS) else rep for s in in_specs),
+        out_shardings=tuple(per if pr else rep for pr in out_per_replica),
+    )
+    logger.debug(
+        "run(%s): traced; %d outputs (%d per-replica), %d variables (%d assigned)%s",
+        getattr(fn, "__name__", fn),
+        n_user,
+        sum(user_varying),
+        len(touched),
+        len(assigned),
+        f", {steps} steps" if steps is not None else "",
+    )
+    owner = weakref.ref(fn.__self__) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else None
+    return _Program(
+        jitted=jitted,
+        out_tree=out_tree_box[0],
+        out_varying=user_varying,
+        variables=touched,
+        assigned=assigned,
+        rows_used=rctx_box[0].rows_used,
+        captures=_captures(fn),
+        owner=owner,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Stacking batches for run_steps / run_epoch
+# ---------------------------------------------------------------------------------------
+
+
+def _stack_leaves(xs: list[Any], axis: int, strategy: Any, per_replica: bool) -> Any:
+    if all(isinstance(x, np.ndarray) for x in xs):
+        return np.stack(xs, axis=axis)
+    key = ("stack", axis, per_replica)
+    fn = strategy._jit_cache.get(key) if hasattr(strategy, "_jit_cache") else None
+    if fn is None:
+        shard = {}
+        if per_replica and hasattr(strategy, "_per_replica_sharding"):
+            shard = {"out_shardings": strategy._per_replica_sharding}
+        fn = jax.jit(lambda *a: jnp.stack(a, axis=axis), **shard)
+        if hasattr(strategy, "_jit_cache"):
+            strategy._jit_cache[key] = fn
+    args = [strategy._place_per_replica(x) for x in xs] if per_replica and hasattr(strategy, "_place_per_replica") else xs
+    return fn(*args)
+
+
+def stack_batches(strategy: Any, batches: list[Any]) -> Any:
+    """One batch whose per-replica leaves carry a leading steps axis: ``(R, steps, ...)``.
+
+    Plain-array batches (OneDeviceStrategy yields them) are padded to the
+    longest batch and become one-replica ``PerReplica`` values with row counts.
+    """
+    flat = [jax.tree.flatten(b, is_leaf=is_per_replica) for b in batches]
+    tree0 = flat[0][1]
+    for _, t in flat[1:]:
+        if t != tree0:
+            raise ConfigurationError(f"run_steps: the batches have different structures ({tree0} and {t})")
+    out = []
+    for col in zip(*(leaves for leaves, _ in flat)):
+        col = list(col)
+        if all(isinstance(x, PerReplica) for x in col):
+            shapes = {tuple(x.stacked.shape) for x in col}
+            if len(shapes) != 1:
+                raise ConfigurationError(
+                    f"run_steps: per-replica batches of different shapes {sorted(shapes)} cannot run in one "
+                    "compiled loop; distribute the data with experimental_distribute_dataset (it pads short batches)"
+                )
+            stacked = _stack_leaves([x.stacked for x in col], 1, strategy, True)
+            if any(x.row_counts is not None for x in col):
+                if not all(x.row_counts is not None for x in col):
+                    raise ConfigurationError("run_steps: some batches carry row counts and others do not")
+                rows = _stack_leaves([x.row_counts for x in col], 1, strategy, True)
+                pr = PerReplica(stacked, rows)
+                hosts = [x._rows_host for x in col]
+                pr._rows_host = np.stack(hosts, axis=1) if all(h is not None for h in hosts) else None
+                pr._guard = any(x._guard for x in col)
+            else:
+                pr = PerReplica(stacked)
+            out.append(pr)
+        elif all(_is_array_like(x) for x in col):
+            arrs = [x if isinstance(x, jax.Array) else np.asarray(x) for x in col]
+            if any(a.ndim == 0 for a in arrs):
+                out.append(PerReplica(_stack_leaves([jnp.asarray(a) for a in arrs], 0, strategy, False)[None]))
+                continue
+            n = [int(a.shape[0]) for a in arrs]
+            cap = max(n)
+            padded = [a if a.shape[0] == cap else jnp.pad(jnp.asarray(a), [(0, cap - a.shape[0])] + [(0, 0)] * (a.ndim - 1)) for a in arrs]
+            stacked = _stack_leaves([jnp.asarray(p) for p in padded], 0, strategy, False)[None]
+            host = np.asarray(n, np.int32)[None]
+            pr = PerReplica(stacked, jnp.asarray(host))
+            pr._rows_host = host
+            pr._guard = cap != min(n)
+            out.append(pr)
+        else:
+            raise ConfigurationError(
+                "run_steps: batch leaves must all be distributed values (or all arrays), got "
+                f"{sorted({type(x).__name__ for x in col})}"
+            )
+    return jax.tree.unflatten(tree0, out)
+
+
+# ---------------------------------------------------------------------------------------
+# The default strategy's compiled loop
+# ---------------------------------------------------------------------------------------
+
+
+def default_run_stacked(strategy: Any, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
+    """``run_steps`` on the default strategy: one jitted ``lax.scan`` (variables threaded as its carry)."""
+    kwargs = dict(kwargs or {})
+    stacked = stack_batches(strategy, batches)
+    leaves, tree = jax.tree.flatten(stacked, is_leaf=is_per_replica)
+    rows = _find_rows(leaves, [True] * len(leaves), steps=len(batches))
+    batch = jax.tree.unflatten(tree, [x.stacked[0] for x in leaves])  # (steps, rows, ...) per leaf
+    rows_k = jnp.asarray(rows.rows)[0] if rows is not None else None
+    padded = rows.padded if rows is not None else None
+    flat_args, args_tree = jax.tree.flatten((tuple(args), kwargs))
+    dyn_mask = [_is_array_like(x) for x in flat_args]
+    statics = tuple(x for x, d in zip(flat_args, dyn_mask) if not d)
+    dyn_args = [jnp.asarray(x) for x, d in zip(flat_args, dyn_mask) if d]
+
+    def one_step(frame: Any, b: Any, n: Any, dargs: Sequence[Any]) -> Any:
+        it_d, it_s = iter(dargs), iter(statics)
+        a, kw = jax.tree.unflatten(args_tree, [next(it_d) if d else next(it_s) for d in dyn_mask])
+        rctx = ctx_lib.ReplicaContext(strategy, None, n, padded)
+        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx):
+            out = fn(b, *a, **kw)
+        return out, rctx
+
+    key = ("default_steps", _fn_key(fn), tree, args_tree, statics, padded, tuple(_aval_key(a) for a in dyn_args))
+    entry = strategy._jit_cache.get(key)
+    if entry is None:
+        b0 = jax.tree.map(lambda x: x[0], batch)
+        n0 = rows_k[0] if rows_k is not None else None
+        dframe = GlobalFrame(discover=True, parent=None)
+        jax.make_jaxpr(lambda b, n, d: one_step(dframe, b, n, d)[0])(b0, n0, dyn_args)
+        touched = list(dframe.touched)
+        rows_used: list[bool] = [False]
+
+        def program(var_vals: list[Any], batch: Any, rows_k: Any, dargs: list[Any]) -> Any:
+            def step(carry: list[Any], xs: Any) -> Any:
+                b, n = xs
+                frame = GlobalFrame(discover=False, parent=None)
+                frame.values = dict(zip(touched, carry))
+                out, rctx = one_step(frame, b, n, dargs)
+                rows_used[0] = rows_used[0] or rctx.rows_used
+                return [frame.values[v] for v in touched], out
+
+            return jax.lax.scan(step, list(var_vals), (batch, rows_k))
+
+        jax.make_jaxpr(program)([v._value for v in touched], batch, rows_k, dyn_args)  # learns rows_used
+        entry = (jax.jit(program), touched, rows_used[0])
+        strategy._jit_cache[key] = entry
+    jitted, touched, used = entry
+    if rows is not None and rows.guard and not used and rows.host is not None and (rows.host < padded).any():
+        raise ConfigurationError(
+            f"run_steps({getattr(fn, '__name__', fn)}): the batches were padded to {padded} rows but fn never asks "
+            "which rows are real; use jaxdist.compute_average_loss / jaxdist.metrics or "
+            "get_replica_context().row_mask()"
+        )
+    final, outs = jitted([v._value for v in touched], batch, rows_k, dyn_args)
+    for v, nv in zip(touched, final):
+        v._value = nv
+    return outs

@@ -1,0 +1,401 @@
+"""The coordinator's FailureHandler without sockets or threads: event sequences and their decisions,
+time from a fake clock (in the manner of CoordinationState's tests)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from jaxdist.base import errors as E
+from jaxdist.cluster_coordinator import failure_handler as fh
+from jaxdist.cluster_coordinator.closure_queue import Closure
+from jaxdist.cluster_coordinator.failure_handler import ClosureReport, FailureHandler, Outcome, PSMode
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def noop() -> None:
+    return None
+
+
+def handler(workers: int = 2, failure_timeout: float = 3.0, mode: PSMode = PSMode.NONE, **ps: float) -> tuple[FailureHandler, FakeClock]:
+    clock = FakeClock()
+    h = FailureHandler(failure_timeout, clock=clock)
+    for i in range(workers):
+        h.add_worker(i)
+    if mode is not PSMode.NONE:
+        h.set_ps_mode(mode, **ps)
+    return h, clock
+
+
+def healthy(workers: int = 2, **kw: object) -> tuple[FailureHandler, FakeClock]:
+    h, clock = handler(workers, **kw)  # type: ignore[arg-type]
+    for i in range(workers):
+        h.worker_configured(i, f"inc-{i}")
+    return h, clock
+
+
+def report(c: Closure, outcome: Outcome, error: BaseException | None = None, payload: bytes = b"") -> ClosureReport:
+    return ClosureReport(c, outcome, payload, error)
+
+
+# ------------------------------------------------------------------ configure
+def test_a_worker_is_healthy_only_once_configured() -> None:
+    h, _ = handler()
+    assert not h.is_healthy(0)
+    assert h.worker_configured(0, "a") == [fh.RebuildResources(0)]  # first process: build its resources
+    assert h.is_healthy(0) and h.incarnation(0) == "a"
+    assert not h.is_healthy(1)
+
+
+def test_reconfiguring_the_same_process_rebuilds_nothing() -> None:
+    h, _ = healthy()
+    h.call_failed(0, [], grpc.StatusCode.UNAVAILABLE)
+    assert not h.is_healthy(0)
+    assert h.worker_configured(0, "inc-0") == []
+    assert h.is_healthy(0)
+
+
+def test_a_new_process_gets_its_resources_rebuilt() -> None:
+    h, _ = healthy()
+    h.heartbeat_answered(0, "new")
+    assert h.worker_configured(0, "new") == [fh.RebuildResources(0)]
+    assert h.incarnation(0) == "new"
+
+
+def test_a_departed_worker_stays_out() -> None:
+    h, _ = healthy()
+    h.remove_worker(1)
+    assert h.worker_configured(1, "inc-1") == []
+    s = h.worker_status(1)
+    assert s.left and not s.healthy
+
+
+# ------------------------------------------------------------------ heartbeats
+def test_missed_heartbeats_declare_dead_only_after_the_timeout() -> None:
+    h, clock = healthy(failure_timeout=3.0)
+    clock.t += 1.0
+    assert h.heartbeat_missed(0) == []
+    clock.t += 1.9  # 2.9 s since the last answer
+    assert h.heartbeat_missed(0) == []
+    clock.t += 0.2
+    assert h.heartbeat_missed(0) == [fh.DeclareDead(0, "no heartbeat for 3.0s")]
+    assert not h.is_healthy(0) and h.worker_status(0).failures == 1
+    assert h.is_healthy(1)
+
+
+def test_any_answer_resets_the_silence() -> None:
+    h, clock = healthy(failure_timeout=3.0)
+    clock.t += 2.5
+    h.closures_returned(0, [])  # a RunClosures answer counts like a heartbeat
+    clock.t += 2.5
+    assert h.heartbeat_missed(0) == []
+    h.heartbeat_answered(0, "inc-0")
+    clock.t += 2.9
+    assert h.heartbeat_missed(0) == []
+    clock.t += 5
+    h.worker_configured(0, "inc-0")  # so does Configure
+    assert h.heartbeat_missed(0) == []
+
+
+def test_heartbeat_from_a_new_process_declares_the_old_one_dead() -> None:
+    h, _ = healthy()
+    assert h.heartbeat_answered(0, "inc-0") == []
+    assert h.heartbeat_answered(0, "restarted") == [fh.DeclareDead(0, "it restarted")]
+    assert h.incarnation(0) == "inc-0"  # adopted by the next Configure, not by a heartbeat
+
+
+def test_a_failure_counts_once_however_much_evidence_arrives() -> None:
+    h, clock = healthy()
+    clock.t += 10
+    h.heartbeat_missed(0)
+    h.heartbeat_missed(0)
+    h.call_failed(0, [], grpc.StatusCode.UNAVAILABLE)
+    assert h.worker_status(0).failures == 1
+    h.worker_configured(0, "inc-0")
+    clock.t += 10
+    h.heartbeat_missed(0)
+    assert h.worker_status(0).failures == 2
+
+
+# ------------------------------------------------------------------ failed calls
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED])
+def test_unreachable_worker_retries_its_batch(code: grpc.StatusCode) -> None:
+    h, _ = healthy()
+    batch = [Closure(noop), Closure(noop)]
+    out = h.call_failed(1, batch, code, details="gone")
+    assert out[0] == fh.DeclareDead(1, "WorkerUnavailableError")
+    assert out[1:] == [fh.Retry(c) for c in batch]
+    assert not h.is_healthy(1)
+
+
+def test_cancelled_call_is_a_dead_worker_whatever_its_reason() -> None:
+    h, _ = healthy()
+    c = Closure(noop)
+    out = h.call_failed(0, [c], grpc.StatusCode.CANCELLED, reason="CANCELLED")
+    assert isinstance(out[0], fh.DeclareDead) and out[1:] == [fh.Retry(c)]
+
+
+def test_restarted_worker_rejecting_the_call_retries_the_batch() -> None:
+    h, _ = healthy()
+    c = Closure(noop)
+    out = h.call_failed(0, [c], grpc.StatusCode.FAILED_PRECONDITION, reason=E.WorkerRestartedError.reason)
+    assert out == [fh.DeclareDead(0, "WorkerRestartedError"), fh.Retry(c)]
+
+
+@pytest.mark.parametrize(
+    "code, reason, cls",
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, "", E.InvalidRequestError),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "", E.PayloadTooLargeError),
+        (grpc.StatusCode.UNAUTHENTICATED, "", E.AuthenticationError),
+        (grpc.StatusCode.INTERNAL, "", E.RemoteError),
+        (grpc.StatusCode.INVALID_ARGUMENT, E.InvalidRequestError.reason, E.InvalidRequestError),
+    ],
+)
+def test_worker_rejecting_the_request_fails_the_batch(code: grpc.StatusCode, reason: str, cls: type) -> None:
+    h, _ = healthy()
+    batch = [Closure(noop), Closure(noop)]
+    out = h.call_failed(0, batch, code, reason, "nope")
+    assert [type(d) for d in out] == [fh.Fail, fh.Fail]
+    assert all(isinstance(d.error, cls) and d.error.task == "worker:0" for d in out)  # type: ignore[union-attr]
+    assert h.is_healthy(0)  # the worker answered: it is alive
+
+
+# ---------------------------------------------------------------- closure results
+def test_ok_results_finish_and_count() -> None:
+    h, _ = healthy()
+    a, b = Closure(noop), Closure(noop)
+    assert h.closures_returned(0, [report(a, Outcome.OK, payload=b"1"), report(b, Outcome.OK, payload=b"2")]) == [
+        fh.Finish(a, b"1"), fh.Finish(b, b"2")]
+    assert h.worker_status(0).closures_done == 2 and h.worker_status(1).closures_done == 0
+
+
+def test_user_error_fails_the_closure_in_every_mode() -> None:
+    for mode in PSMode:
+        h, _ = healthy(mode=mode)
+        c = Closure(noop)
+        err = ZeroDivisionError("x")
+        assert h.closures_returned(0, [report(c, Outcome.ERROR, err)]) == [fh.Fail(c, err)]
+        assert not h.dispatch_held
+
+
+def test_function_unknown_resends_it_without_counting_an_attempt() -> None:
+    h, _ = healthy()
+    c = Closure(noop)
+    assert h.closures_returned(1, [report(c, Outcome.FUNCTION_UNKNOWN)]) == [
+        fh.ForgetFunction(1, c.function.digest), fh.ReturnUnrun(c)]
+    assert h.is_healthy(1)
+
+
+def test_skipped_closures_go_back_unrun() -> None:
+    h, _ = healthy()
+    bad, skipped = Closure(noop), Closure(noop)
+    err = ValueError("first one failed")
+    out = h.closures_returned(0, [report(bad, Outcome.ERROR, err), report(skipped, Outcome.SKIPPED)])
+    assert out == [fh.Fail(bad, err), fh.ReturnUnrun(skipped)]
+
+
+def test_resource_unknown_retries_and_declares_the_worker_dead() -> None:
+    h, _ = healthy()
+    c = Closure(noop)
+    out = h.closures_returned(0, [report(c, Outcome.RESOURCE_UNKNOWN)])
+    assert out == [fh.Retry(c), fh.DeclareDead(0, "it lost its per-worker resources")]
+    assert not h.is_healthy(0) and h.worker_status(0).failures == 1
+
+
+def test_arguments_that_cannot_be_pickled_fail_only_their_closure() -> None:
+    h, _ = healthy()
+    batch = [Closure(noop) for _ in range(4)]
+    err = TypeError("cannot pickle")
+    assert h.arguments_failed(batch, 2, err) == [
+        fh.ReturnUnrun(batch[0]), fh.ReturnUnrun(batch[1]), fh.Fail(batch[2], err), fh.ReturnUnrun(batch[3])]
+
+
+def test_a_dispatch_bug_fails_the_unsettled_closures() -> None:
+    h, _ = healthy()
+    done, pending = Closure(noop), Closure(noop)
+    done.succeed(b"")
+    err = RuntimeError("bug")
+    assert h.dispatch_crashed([done, pending], err) == [fh.Fail(pending, err)]
+
+
+# ---------------------------------------------------------- PS errors in closures
+def _ps_down(task: str = "ps:1") -> E.PSUnavailableError:
+    return E.PSUnavailableError(f"{task}: unreachable", task=task)
+
+
+def _ps_empty(task: str) -> E.VariableNotFoundError:
+    err = E.VariableNotFoundError(f"{task}: no variable 'w'")
+    err.task = task  # type: ignore[attr-defined] - set by the client that called ``task``
+    return err
+
+
+def test_without_recovery_a_ps_error_fails_the_closure() -> None:
+    h, _ = healthy()
+    c = Closure(noop)
+    err = _ps_down()
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, err)]) == [fh.Fail(c, err)]
+
+
+def test_with_recovery_a_ps_error_retries_and_holds_dispatch_once() -> None:
+    for mode in (PSMode.CHECKPOINT, PSMode.REPLICATION):
+        h, _ = healthy(mode=mode)
+        a, b = Closure(noop), Closure(noop)
+        out = h.closures_returned(0, [report(a, Outcome.ERROR, _ps_down())])
+        assert out == [fh.Retry(a), fh.HoldDispatch("ps:1")]
+        assert h.dispatch_held
+        assert h.closures_returned(1, [report(b, Outcome.ERROR, _ps_down())]) == [fh.Retry(b)]  # already held
+
+
+def test_a_ps_restarted_empty_is_recoverable_only_in_checkpoint_mode() -> None:
+    h, _ = healthy(mode=PSMode.CHECKPOINT)
+    c = Closure(noop)
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, _ps_empty("ps:0"))])[0] == fh.Retry(c)
+    h, _ = healthy(mode=PSMode.REPLICATION)
+    err = _ps_empty("ps:0")
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, err)]) == [fh.Fail(c, err)]
+    # Classified by the task called, not by text: a missing *per-worker* thing is the user's error.
+    h, _ = healthy(mode=PSMode.CHECKPOINT)
+    err = _ps_empty("worker:0")
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, err)]) == [fh.Fail(c, err)]
+
+
+def test_a_closure_stops_waiting_for_a_ps_after_max_retries() -> None:
+    h, _ = healthy(mode=PSMode.CHECKPOINT)
+    c = Closure(noop)
+    c.attempt = fh.MAX_PS_RETRIES - 1
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, _ps_down())])[0] == fh.Retry(c)
+    c.attempt = fh.MAX_PS_RETRIES
+    err = _ps_down()
+    assert h.closures_returned(0, [report(c, Outcome.ERROR, err)]) == [fh.Fail(c, err)]
+
+
+# ------------------------------------------------------------- checkpoint mode
+def test_checkpoint_mode_holds_while_a_ps_is_down_and_releases_when_back() -> None:
+    h, clock = handler(mode=PSMode.CHECKPOINT, ps_timeout=60.0)
+    assert h.ps_answered(0, "p0") == [] and h.ps_answered(1, "p1") == []
+    assert h.ps_pass_done() == []
+    clock.t += 0.5
+    assert h.ps_missed(1) == [fh.HoldDispatch("ps:1")]
+    assert h.ps_pass_done() == []  # still down: stay held
+    clock.t += 0.5
+    assert h.ps_missed(1) == []
+    assert h.ps_answered(1, "p1") == []  # same process: it was only unreachable
+    assert h.ps_pass_done() == [fh.ReleaseDispatch()]
+    assert not h.dispatch_held
+
+
+def test_checkpoint_mode_restores_a_restarted_ps_then_releases() -> None:
+    h, clock = handler(mode=PSMode.CHECKPOINT)
+    h.ps_answered(0, "p0")
+    h.ps_answered(1, "p1")
+    h.ps_missed(1)
+    clock.t += 1
+    h.ps_answered(0, "p0")
+    h.ps_answered(1, "p1-new")
+    assert h.ps_pass_done() == [fh.RestorePS(frozenset({1}))]  # already held since the miss
+    assert h.dispatch_held
+    assert h.ps_restored({1}) == [fh.ReleaseDispatch()]
+    h.ps_answered(1, "p1-new")
+    assert h.ps_pass_done() == []  # the new process is the known one now
+
+
+def test_checkpoint_mode_restart_seen_without_an_outage_holds_first() -> None:
+    h, _ = handler(mode=PSMode.CHECKPOINT)
+    h.ps_answered(0, "p0")
+    h.ps_answered(0, "p0-new")  # restarted between two probes
+    assert h.ps_pass_done() == [fh.HoldDispatch("ps:0"), fh.RestorePS(frozenset({0}))]
+
+
+def test_checkpoint_mode_failed_restore_fails_the_job() -> None:
+    h, _ = handler(mode=PSMode.CHECKPOINT)
+    h.ps_answered(0, "a")
+    h.ps_answered(0, "b")
+    h.ps_pass_done()
+    err = E.PSUnavailableError("no checkpoint")
+    assert h.ps_restore_failed({0}, err) == [fh.FailAll(err), fh.ReleaseDispatch()]
+
+
+def test_checkpoint_mode_a_ps_away_too_long_fails_the_job_once_per_timeout() -> None:
+    h, clock = handler(mode=PSMode.CHECKPOINT, ps_timeout=10.0)
+    h.ps_answered(0, "p0")
+    assert h.ps_missed(0) == [fh.HoldDispatch("ps:0")]
+    clock.t += 10.0
+    assert h.ps_missed(0) == []  # exactly the timeout: not yet
+    clock.t += 0.5
+    out = h.ps_missed(0)
+    assert [type(d) for d in out] == [fh.FailAll, fh.ReleaseDispatch]
+    assert isinstance(out[0].error, E.PSUnavailableError) and out[0].error.task == "ps:0"  # type: ignore[union-attr]
+    assert not h.dispatch_held  # the error surfaces through dispatch
+    clock.t += 5
+    assert h.ps_missed(0) == []  # a new timeout started
+    clock.t += 6
+    assert type(h.ps_missed(0)[0]) is fh.FailAll
+
+
+def test_release_waits_for_every_shard() -> None:
+    h, _ = handler(mode=PSMode.CHECKPOINT)
+    h.ps_missed(0)
+    h.ps_missed(1)
+    h.ps_answered(0, "p0")
+    assert h.ps_pass_done() == []
+    h.ps_answered(1, "p1")
+    assert h.ps_pass_done() == [fh.ReleaseDispatch()]
+
+
+# ------------------------------------------------------------- replication mode
+def test_replication_fails_over_a_primary_silent_for_failover_after() -> None:
+    h, clock = handler(mode=PSMode.REPLICATION, failover_after=1.5)
+    assert h.ps_answered(0) == []
+    assert h.ps_missed(0) == [fh.HoldDispatch("ps:0")]
+    clock.t += 1.4
+    assert h.ps_missed(0) == []
+    clock.t += 0.1
+    assert h.ps_missed(0) == [fh.FailOver(0)]
+    assert h.ps_failed_over(0) == [fh.ReconfigureWorkers()]
+    assert h.ps_pass_done() == [fh.ReleaseDispatch()]
+
+
+def test_replication_retries_a_failover_that_failed() -> None:
+    h, clock = handler(mode=PSMode.REPLICATION, failover_after=1.5)
+    h.ps_missed(0)
+    clock.t += 2
+    assert h.ps_missed(0) == [fh.FailOver(0)]
+    assert h.ps_failover_failed(0, E.PSUnavailableError("backup down too")) == []
+    assert h.ps_pass_done() == []  # still held
+    clock.t += 0.25
+    assert h.ps_missed(0) == [fh.FailOver(0)]
+
+
+def test_replication_attaches_a_missing_backup() -> None:
+    h, _ = handler(mode=PSMode.REPLICATION)
+    assert h.ps_answered(1, has_backup=False) == [fh.AttachBackup(1)]
+    assert h.ps_answered(1, has_backup=True) == []
+
+
+def test_replication_ignores_incarnations() -> None:
+    h, _ = handler(mode=PSMode.REPLICATION)
+    h.ps_answered(0, "a")
+    h.ps_answered(0, "b")  # the primary changes at every failover
+    assert h.ps_pass_done() == []
+
+
+def test_without_a_ps_mode_probes_decide_nothing() -> None:
+    h, clock = handler()
+    assert h.ps_missed(0) == []
+    clock.t += 1000
+    assert h.ps_missed(0) == [] and h.ps_pass_done() == []
+
+
+def test_a_batch_taken_by_a_leaving_worker_goes_back_unrun() -> None:
+    h, _ = healthy()
+    batch = [Closure(noop), Closure(noop)]
+    assert h.not_sent(batch) == [fh.ReturnUnrun(c) for c in batch]

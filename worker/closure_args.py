@@ -1,0 +1,153 @@
+"""The per-worker argument protocol: how a closure's arguments travel to the worker that runs it.
+
+Both ends live here, so they cannot drift apart: the coordinator pickles a
+closure's ``(args, kwargs)`` with :func:`dumps`, the worker reads them back
+with :func:`loads`.
+
+Arguments are cloudpickled, except objects that stand for something that
+lives *on the worker* (a per-worker dataset or iterator, one batch of an
+exactly-once dataset). Those are :class:`WorkerResident` and travel as a
+pickle *persistent id* (a small tuple) that the worker resolves against its
+resource table:
+
+- ``("jaxdist-resource", resource_id)``: the resource itself;
+- ``("jaxdist-ledger", resource_id, index)``: batch ``index`` of the resource
+  (an exactly-once dataset, ``ds[index]``), seen by the closure as an
+  iterator yielding that one batch (``index`` None: the data is exhausted,
+  the iterator is empty).
+
+A persistent id naming a resource the worker does not hold (it restarted,
+or the resource was never built there) makes :func:`loads` raise
+:class:`ResourceMissing`; the worker answers ``RESOURCE_UNKNOWN`` and the
+coordinator rebuilds the worker's resources. Any other persistent id is a
+malformed request (:class:`pickle.UnpicklingError`).
+
+This module sits in the worker role's package (both the coordinator and the
+worker may import it) and imports nothing from the coordinator: the
+coordinator's handle types subclass :class:`WorkerResident`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import cloudpickle
+
+__all__ = [
+    "LEDGER",
+    "RESOURCE",
+    "OneBatch",
+    "ResourceMissing",
+    "WorkerResident",
+    "batch_ref",
+    "dumps",
+    "loads",
+    "resource_ref",
+]
+
+#: Kind of a persistent id naming a whole per-worker resource.
+RESOURCE = "jaxdist-resource"
+#: Kind of a persistent id naming one batch of a per-worker (exactly-once) dataset.
+LEDGER = "jaxdist-ledger"
+
+PersistentId = tuple[Any, ...]
+
+
+def resource_ref(resource_id: int) -> PersistentId:
+    """The persistent id of per-worker resource ``resource_id``."""
+    return (RESOURCE, resource_id)
+
+
+def batch_ref(resource_id: int, index: int | None) -> PersistentId:
+    """The persistent id of batch ``index`` of resource ``resource_id`` (None: no batch left)."""
+    return (LEDGER, resource_id, index)
+
+
+class WorkerResident:
+    """Base of coordinator-side handles to things living on the worker.
+
+    A subclass says which persistent id it travels as (:func:`resource_ref`
+    or :func:`batch_ref`); nothing else of it is pickled.
+    """
+
+    __slots__ = ()
+
+    def persistent_id(self) -> PersistentId:
+        raise NotImplementedError
+
+
+class ResourceMissing(Exception):
+    """The arguments name a per-worker resource this worker does not hold."""
+
+    def __init__(self, resource_id: int) -> None:
+        super().__init__(f"per-worker resource {resource_id} is not on this worker")
+        self.resource_id = resource_id
+
+
+class _ArgsPickler(cloudpickle.Pickler):
+    def persistent_id(self, obj: Any) -> PersistentId | None:  # noqa: D401 - pickle hook
+        return obj.persistent_id() if isinstance(obj, WorkerResident) else None
+
+
+def dumps(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
+    """Pickle a closure's arguments (``b""`` for none). Raises what pickling raises."""
+    if not args and not kwargs:
+        return b""
+    buf = io.BytesIO()
+    _ArgsPickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump((args, dict(kwargs)))
+    return buf.getvalue()
+
+
+class OneBatch:
+    """The iterator a closure sees for an exactly-once dataset: its one assigned batch."""
+
+    __slots__ = ("_dataset", "_index")
+
+    def __init__(self, dataset: Any, index: int | None) -> None:
+        self._dataset = dataset
+        self._index = index
+
+    def __iter__(self) -> OneBatch:
+        return self
+
+    def __next__(self) -> Any:
+        if self._index is None:
+            raise StopIteration
+        index, self._index = self._index, None
+        return self._dataset[index]
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    def __init__(self, data: bytes, resources: Mapping[int, Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._resources = resources
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not isinstance(pid, tuple) or len(pid) < 2 or pid[0] not in (RESOURCE, LEDGER):
+            raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+        rid = pid[1]
+        try:
+            resource = self._resources[rid]
+        except KeyError:
+            raise ResourceMissing(rid) from None
+        if pid[0] == LEDGER:
+            if len(pid) != 3:
+                raise pickle.UnpicklingError(f"malformed persistent id {pid!r}")
+            return OneBatch(resource, pid[2])
+        return resource
+
+
+def loads(data: bytes, resources: Mapping[int, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A closure's ``(args, kwargs)`` from :func:`dumps`' bytes, per-worker resources from ``resources``.
+
+    Raises:
+        ResourceMissing: a named resource is not in ``resources``.
+        pickle.UnpicklingError: an unknown persistent id (and whatever else unpickling raises).
+    """
+    if not data:
+        return (), {}
+    args, kwargs = _ArgsUnpickler(data, resources).load()
+    return args, kwargs
