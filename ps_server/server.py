@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base.errors import ConfigurationError
@@ -74,10 +75,21 @@ class ParameterServer(task_process.TaskServer):
         return port
 
     def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting on both transports at once, then let calls in flight finish (``grace``).
+
+        The data plane drains beside gRPC, not after it: otherwise it would keep taking new
+        pushes for as long as a gRPC call in flight holds the drain open.
+        """
         self.servicer.data_port = 0
-        super().stop(grace)
-        if self.data_plane is not None:
-            self.data_plane.stop(grace)
+        if self.data_plane is None:
+            super().stop(grace)
+            return
+        dp = threading.Thread(target=self.data_plane.stop, args=(grace,), name="jaxdist-dataplane-stop")
+        dp.start()
+        try:
+            super().stop(grace)
+        finally:
+            dp.join()
 
 
 def _ps_collector(servicer: ParameterServerServicer) -> Any:
