@@ -63,7 +63,7 @@ def _worker_context() -> tuple[int, int] | None:
 
 
 def _make_local_mirrored_class() -> type:
-    from jaxdist.sync.strategy import MirroredStrategy
+    from jaxdist.sync.strategies import MirroredStrategy
 
     class LocalMirrored(MirroredStrategy):
         """MirroredStrategy over one process's devices, whose input pipelines are numbered by worker."""

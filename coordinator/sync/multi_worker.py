@@ -88,7 +88,7 @@ from jaxdist.sync.coordination import (
 )
 from jaxdist.sync import cross_device_ops as cdo
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.strategy import _MeshStrategy
+from jaxdist.sync.mesh import _MeshStrategy
 
 logger = logging.getLogger(__name__)
 
