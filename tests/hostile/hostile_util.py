@@ -199,6 +199,12 @@ def state_counters(ch: grpc.Channel) -> dict[str, float]:
     return {k: c.get(k, 0.0) for k in STATE_COUNTERS}
 
 
+def counter_changes(before: dict[str, float], after: dict[str, float]) -> str:
+    """The counters that differ, as ``name a -> b`` ("" when none)."""
+    return ", ".join(f"{k} {before.get(k, 0.0):g} -> {after.get(k, 0.0):g}"
+                     for k in sorted(set(before) | set(after)) if before.get(k, 0.0) != after.get(k, 0.0))
+
+
 # ------------------------------------------------------------------------ data plane
 # Wire format of the PS data plane (documented at the top of jaxdist/proto/bulk.py), little-endian:
 HELLO = struct.Struct("<4sI")          # b"JXB1", token length; then the token
