@@ -317,3 +317,51 @@ def test_registrations_of_unreachable_workers_are_capped(coordinator: Any) -> No
     finally:
         for s in ports:
             s.close()
+
+
+# --------------------------------------------------------------- found while fuzzing
+@pytest.mark.parametrize("bad", ["uncached-optimizer", "garbage-optimizer", "empty-name"])
+def test_create_batch_with_a_bad_entry_creates_nothing(ps: Any, bad: str) -> None:
+    """Found by the fuzz test: a CREATE push whose second entry is rejected has already created its
+    first entry (entries are created one by one), although a rejected request must change nothing."""
+    _, ch = ps
+    before = ps_variables(ch)
+    second = {"uncached-optimizer": dict(name="b", optimizer_digest="ab" * 32),
+              "garbage-optimizer": dict(name="b", optimizer=b"\xff not a pickle"),
+              "empty-name": dict(name="")}[bad]
+    frames = push_frames([dict(name="a", op=ps_pb2.CREATE, value=(F32, [2])),
+                          dict(op=ps_pb2.CREATE, value=(F32, [2]), **second)], b"\0" * 16)
+    a = stream_in(ch, PS + "Push", frames)
+    assert a.code == INVALID, a
+    after = ps_variables(ch)
+    assert after == before, f"a rejected CREATE batch created {sorted(set(after) - set(before))}"
+
+
+@pytest.mark.parametrize("method", ["Pull", "Push", "DeleteVariables"])
+def test_typed_status_survives_a_long_unknown_name(ps: Any, method: str) -> None:
+    """Found by the fuzz test: error details echo the request's names; over gRPC's 16 KB metadata
+    limit the client gets RESOURCE_EXHAUSTED ("received metadata size exceeds hard limit") instead
+    of NOT_FOUND (randomly so between 8 and 16 KB), and loses the jaxdist reason."""
+    _, ch = ps
+    long_name = "n" * 20_000
+    if method == "Pull":
+        a = stream_out(ch, PS + "Pull", ps_pb2.PullRequest(entries=[ps_pb2.PullEntry(name=long_name)]))
+    elif method == "Push":
+        a = stream_in(ch, PS + "Push", push_frames([dict(name=long_name, op=ps_pb2.ASSIGN, value=(F32, [4]))], b"\0" * 16))
+    else:
+        a = unary(ch, PS + "DeleteVariables", ps_pb2.DeleteVariablesRequest(names=[long_name]))
+    assert (a.code, a.reason) == (NOT_FOUND, "VARIABLE_NOT_FOUND"), f"{method} of an unknown 20 KB name answered {a}"
+
+
+def test_rejected_run_closures_are_not_counted(worker: Any) -> None:
+    """Found by the fuzz test: a RunClosures rejected INVALID_ARGUMENT (function digest not matching
+    its payload) is counted in the worker's ``bytes_in`` / ``bytes_out``."""
+    w, ch = worker
+    incarnation = common_pb2.TaskStatus.FromString(unary(ch, WORKER + "Heartbeat", common_pb2.Empty()).response).incarnation
+    before = dict(common_pb2.TaskStatus.FromString(unary(ch, WORKER + "Heartbeat", common_pb2.Empty()).response).counters)
+    run = worker_pb2.RunRequest(incarnation=incarnation, calls=[worker_pb2.ClosureCall(closure_id=1, fn_digest="00" * 32, fn_payload=b"x" * 1000)])
+    a = unary(ch, WORKER + "RunClosures", run)
+    assert a.code == INVALID, a
+    after = dict(common_pb2.TaskStatus.FromString(unary(ch, WORKER + "Heartbeat", common_pb2.Empty()).response).counters)
+    changed = counter_changes(before, after)
+    assert not changed, f"a rejected RunClosures changed the worker's counters: {changed}"
