@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from conftest import TOKEN, poll_for
+from conftest import TOKEN
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxdist.proto import common_pb2, ps_pb2
@@ -37,7 +37,6 @@ EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 UNAUTH = grpc.StatusCode.UNAUTHENTICATED
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
 
 MD = (("authorization", f"Bearer {TOKEN}"),)
 WRONG_MD = (("authorization", "Bearer not-the-token"),)
@@ -443,14 +442,3 @@ class Watches:
 
 def wait_connected(ch: grpc.Channel, timeout: float = 30.0) -> None:
     grpc.channel_ready_future(ch).result(timeout=timeout)
-
-
-def answered_within(call: Any, seconds: float) -> tuple[bool, float, str]:
-    """Run ``call() -> Answer`` and report (answered OK within ``seconds``, elapsed, what)."""
-    t0 = time.monotonic()
-    a = call()
-    dt = time.monotonic() - t0
-    return a.code == OK and dt <= seconds, dt, str(a)
-
-
-__all__ = [name for name in dir() if not name.startswith("_")] + ["poll_for", "TOKEN"]

@@ -39,6 +39,7 @@ import grpc
 import numpy as np
 import optax
 import pytest
+from conftest import TOKEN, poll_for
 from hostile_util import (
     ATTACH,
     COORDINATOR,
@@ -52,21 +53,16 @@ from hostile_util import (
     PS,
     REQUEST,
     REQUEST_MAGIC,
-    TOKEN,
     WORKER,
     WRONG_MD,
     Answer,
     channel,
-    closed_by_peer,
-    common_pb2,
     counter_changes,
     dp_connect,
     dp_read,
     dp_request,
     health_check,
     hello_bytes,
-    poll_for,
-    ps_pb2,
     ps_variables,
     push_frames,
     spec,
@@ -76,7 +72,7 @@ from hostile_util import (
     unary,
 )
 
-from jaxdist.proto import coordinator_pb2, worker_pb2
+from jaxdist.proto import common_pb2, coordinator_pb2, ps_pb2, worker_pb2
 from jaxdist.ps_server.server import ParameterServer
 from jaxdist.worker.server import WorkerServer
 

@@ -9,6 +9,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from conftest import TOKEN, poll_for
 from hostile_util import (
     ATTACH,
     DP_PULL,
@@ -31,10 +33,8 @@ from hostile_util import (
     PS,
     SHM_HEAD,
     SHM_MIN_PAYLOAD,
-    TOKEN,
     channel,
     closed_by_peer,
-    common_pb2,
     counter_changes,
     create,
     dp_connect,
@@ -43,8 +43,6 @@ from hostile_util import (
     dp_request,
     hello_bytes,
     open_sockets,
-    poll_for,
-    ps_pb2,
     ps_status,
     ps_variables,
     state_counters,
@@ -52,6 +50,7 @@ from hostile_util import (
     unary,
 )
 
+from jaxdist.proto import common_pb2, ps_pb2
 from jaxdist.ps_server.server import ParameterServer
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,8 +107,12 @@ def test_hello_deadline_bounds_the_whole_hello(ps: Any) -> None:
         sock.close()
 
 
-def _wait_held(pid: int, base: int, n: int) -> None:
-    poll_for(lambda: open_sockets(pid) >= base + n, 60, what=f"the PS to hold {n} more connections")
+def _answered_or_closed(socks: list[socket.socket]) -> int:
+    """How many of our connections the server has answered or closed (readable without blocking)."""
+    poller = select.poll()
+    for s in socks:
+        poller.register(s, select.POLLIN | select.POLLHUP | select.POLLERR)
+    return len(poller.poll(0))
 
 
 @pytest.mark.slow
@@ -117,7 +120,7 @@ def _wait_held(pid: int, base: int, n: int) -> None:
 def test_tokenless_connections_do_not_take_the_connection_cap(log_dir: str) -> None:
     """Item 3: unauthenticated connections count against the 1,024-connection cap, so one peer
     without the token can hold every slot: a token holder connecting then is refused
-    RESOURCE_EXHAUSTED. It must be served."""
+    RESOURCE_EXHAUSTED. It must be served while 1,024 token-less connections are open."""
     with task_process("ps", log_dir, metrics=False) as task:
         ch = channel(task.address)
         socks: list[socket.socket] = []
@@ -126,18 +129,47 @@ def test_tokenless_connections_do_not_take_the_connection_cap(log_dir: str) -> N
             base = open_sockets(task.pid)
             for _ in range(MAX_CONNECTIONS):
                 socks.append(socket.create_connection(("127.0.0.1", port), timeout=30))
-            _wait_held(task.pid, base, MAX_CONNECTIONS)
-            for s in socks:  # one byte of hello each: none of them has a token
-                s.sendall(b"J")
+            # Every connection has been taken by the PS (held) or answered/closed by it: none is still
+            # waiting in the listen queue, so the token holder below comes after all of them.
+            poll_for(lambda: open_sockets(task.pid) - base + _answered_or_closed(socks) >= MAX_CONNECTIONS, 60,
+                     what="the PS to take the token-less connections")
+            for s in socks:  # one byte of hello each (none of them has a token); restarts today's per-recv timer
+                try:
+                    s.sendall(b"J")
+                except OSError:
+                    pass  # refused or closed by the PS: fine
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
             try:
-                holder = dp_connect(port, TOKEN)
-            except AssertionError as e:
-                raise AssertionError(f"with {MAX_CONNECTIONS} token-less connections open, a token holder is refused: {e}") from None
-            holder.close()
+                sock.sendall(hello_bytes(TOKEN))
+                a = dp_read(sock)
+            finally:
+                sock.close()
+            assert a.code == OK, f"with {MAX_CONNECTIONS} token-less connections open, a token holder is refused: {a}"
         finally:
             for s in socks:
                 s.close()
             ch.close()
+
+
+def _fill_cap(port: int, limit: int) -> list[socket.socket]:
+    """Idle token-holder connections until the PS refuses one RESOURCE_EXHAUSTED (its cap is full)."""
+    held = []
+    for _ in range(limit):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(hello_bytes(TOKEN))
+        try:
+            a = dp_read(sock)
+        except ConnectionError:
+            a = None
+        if a is not None and a.code == OK:
+            held.append(sock)
+            continue
+        sock.close()
+        assert a is not None and a.code == EXHAUSTED, f"connection {len(held) + 1} got {a}"
+        return held
+    for s in held:
+        s.close()
+    raise AssertionError(f"the PS took {limit} idle connections without reaching its cap; the test proves nothing")
 
 
 @pytest.mark.slow
@@ -154,7 +186,7 @@ def test_client_refused_at_the_cap_comes_back_to_the_data_plane(log_dir: str) ->
         create(ch, "w", np.zeros(1024, np.float32).tobytes(), F32, [1024])
         port = ps_status(ch).data_port
         base = open_sockets(task.pid)
-        held = [dp_connect(port, TOKEN, timeout=30) for _ in range(MAX_CONNECTIONS)]  # token holders, idle
+        held = _fill_cap(port, MAX_CONNECTIONS + 64)
         client = PSClient(task.address, token=TOKEN, task="ps:0")
         try:
             client.pull([PullSpec("w")])  # refused on the data plane at the cap: served over gRPC

@@ -16,10 +16,11 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
+from conftest import TOKEN, poll_for
 from hostile_util import (
+    COORDINATOR,
     EXHAUSTED,
     INVALID,
-    MD,
     NOT_FOUND,
     OK,
     PRECONDITION,
@@ -27,23 +28,18 @@ from hostile_util import (
     UNAVAILABLE,
     WORKER,
     channel,
-    common_pb2,
-    create,
-    poll_for,
-    ps_counters,
-    ps_pb2,
     counter_changes,
+    create,
+    ps_counters,
     ps_variables,
     push_frames,
     state_counters,
     stream_in,
     stream_out,
     unary,
-    COORDINATOR,
-    TOKEN,
 )
 
-from jaxdist.proto import coordinator_pb2, worker_pb2
+from jaxdist.proto import common_pb2, coordinator_pb2, ps_pb2, worker_pb2
 from jaxdist.ps_server.server import ParameterServer
 from jaxdist.worker.server import WorkerServer
 

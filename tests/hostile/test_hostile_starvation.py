@@ -26,10 +26,8 @@ from hostile_util import (
     Task,
     Watches,
     channel,
-    common_pb2,
     dp_connect,
     health_check,
-    ps_pb2,
     ps_status,
     push_frames,
     task_process,
@@ -37,7 +35,7 @@ from hostile_util import (
     wait_connected,
 )
 
-from jaxdist.proto import worker_pb2
+from jaxdist.proto import common_pb2, ps_pb2, worker_pb2
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -57,7 +55,7 @@ def _probe(task: Task, role: str, ch: grpc.Channel, rounds: int = 3) -> list[str
     late: list[str] = []
     for _ in range(rounds):
         if late:
-            break  # a whole round after the first failure is enough to show it
+            break  # the round that showed a failure is enough
         for what, call in (
             ("health Check('')", lambda: health_check(ch, "", timeout=1.0)),
             (f"health Check({SERVICE[role]})", lambda: health_check(ch, SERVICE[role], timeout=1.0)),
