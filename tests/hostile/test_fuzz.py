@@ -39,7 +39,7 @@ import grpc
 import numpy as np
 import optax
 import pytest
-from conftest import TOKEN, poll_for
+from conftest import CREDS, TOKEN, poll_for
 from hostile_util import (
     ATTACH,
     COORDINATOR,
@@ -493,7 +493,7 @@ def ps_generators(w: PSWorld) -> dict[str, Callable[[random.Random], Req]]:
 
 @pytest.fixture
 def fuzz_ps(tmp_path: Any) -> Iterator[tuple[ParameterServer, grpc.Channel, PSWorld]]:
-    with ParameterServer(token=TOKEN, max_variable_bytes=MAX_VARIABLE_BYTES, max_message_bytes=MAX_MESSAGE_BYTES) as ps:
+    with ParameterServer(credentials=CREDS, max_variable_bytes=MAX_VARIABLE_BYTES, max_message_bytes=MAX_MESSAGE_BYTES) as ps:
         ch = channel(ps.address)
         opt_blob = cloudpickle.dumps(optax.sgd(0.1))
         opt_digest = hashlib.sha256(opt_blob).hexdigest()
@@ -617,7 +617,7 @@ def _worker_index_closure() -> int:
 
 
 def test_fuzz_worker_grpc() -> None:
-    with WorkerServer(token=TOKEN) as w:
+    with WorkerServer(credentials=CREDS) as w:
         ch = channel(w.address)
         try:
             a = send(ch, _configure('{"ps": []}'))
@@ -699,7 +699,7 @@ def coordinator_generators(own: str, worker: str) -> dict[str, Callable[[random.
 def test_fuzz_coordinator_registration(ps_server: ParameterServer) -> None:
     import jaxdist
 
-    with WorkerServer(token=TOKEN) as w:
+    with WorkerServer(credentials=CREDS) as w:
         strategy = jaxdist.ParameterServerStrategy(jaxdist.SimpleClusterResolver({"ps": [ps_server.address], "worker": [w.address]}, token=TOKEN))
         coord = jaxdist.ClusterCoordinator(strategy)
         try:

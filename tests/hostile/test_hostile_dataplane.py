@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import TOKEN, poll_for
+from conftest import CREDS, TOKEN, poll_for
 from hostile_util import (
     ATTACH,
     DP_PULL,
@@ -187,7 +187,7 @@ def test_client_refused_at_the_cap_comes_back_to_the_data_plane(log_dir: str) ->
         port = ps_status(ch).data_port
         base = open_sockets(task.pid)
         held = _fill_cap(port, MAX_CONNECTIONS + 64)
-        client = PSClient(task.address, token=TOKEN, task="ps:0")
+        client = PSClient(task.address, CREDS, task="ps:0")
         try:
             client.pull([PullSpec("w")])  # refused on the data plane at the cap: served over gRPC
             assert client.uses_data_plane is False, "the client was not refused at the cap; the test proves nothing"

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from conftest import TOKEN, poll_for
+from conftest import CREDS, TOKEN, poll_for
 from hostile_util import (
     COORDINATOR,
     EXHAUSTED,
@@ -128,7 +128,7 @@ def test_rejected_set_backup_leaves_the_epoch_unchanged(ps: Any) -> None:
     problems = []
     if changed := counter_changes(before, state_counters(ch)):
         problems.append(f"the rejected SetBackup changed the PS: {changed}")
-    with ParameterServer(token=TOKEN) as backup:
+    with ParameterServer(credentials=CREDS) as backup:
         a = unary(ch, PS + "SetBackup", ps_pb2.SetBackupRequest(address=backup.address, epoch=1), timeout=30)
         if a.code != OK:
             problems.append(f"a valid SetBackup(epoch=1) after it answered {a}")
@@ -213,7 +213,7 @@ def test_rejected_pushes_are_not_counted(ps: Any, case: str) -> None:
 @pytest.fixture
 def worker() -> Iterator[tuple[WorkerServer, grpc.Channel]]:
     """A configured worker (in this process) and a raw channel to it."""
-    with WorkerServer(token=TOKEN) as w:
+    with WorkerServer(credentials=CREDS) as w:
         ch = channel(w.address)
         a = unary(ch, WORKER + "Configure", worker_pb2.ConfigureRequest(cluster_json='{"ps": []}', worker_index=0,
                                                                         num_workers=1, coordinator_id="hostile"))
@@ -247,7 +247,7 @@ def coordinator(ps_server: ParameterServer) -> Iterator[tuple[Any, grpc.Channel,
     to its registration service, and that service's address."""
     import jaxdist
 
-    with WorkerServer(token=TOKEN) as w:
+    with WorkerServer(credentials=CREDS) as w:
         resolver = jaxdist.SimpleClusterResolver({"ps": [ps_server.address], "worker": [w.address]}, token=TOKEN)
         strategy = jaxdist.ParameterServerStrategy(resolver)
         coord = jaxdist.ClusterCoordinator(strategy)
