@@ -280,7 +280,7 @@ def closed_by_peer(sock: socket.socket, timeout: float) -> bool:
                 return True
         except (ConnectionResetError, BrokenPipeError):
             return True
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             return False
 
 
