@@ -141,25 +141,36 @@ class Replication:
 
     # ----------------------------------------------------------- coordinator
     def attach(self, address: str, epoch: int) -> tuple[int, int]:
-        """Make ``address`` this primary's backup: full sync, then forward. Returns (variables, bytes)."""
-        with self._lock:
-            if epoch < self.epoch:
-                raise StaleEpochError(f"SetBackup for epoch {epoch}, but this PS is at epoch {self.epoch}")
-            if self.role == "backup":
-                raise NotPrimaryError(f"SetBackup sent to a backup PS (epoch {self.epoch}); promote it first")
-            self.role, self.epoch = "primary", epoch
+        """Make ``address`` this primary's backup: full sync, then forward. Returns (variables, bytes).
+
+        The role and epoch change only once the full sync was delivered: a SetBackup
+        that fails (stale epoch, sent to a backup, backup unreachable) changes nothing.
+        """
+        self._check_attach(epoch)
         with self._membership:
             if not address:
-                self.backup = ""
+                with self._lock:
+                    self._check_attach(epoch)
+                    self.role, self.epoch, self.backup = "primary", epoch, ""
                 return 0, 0
             with self.store.frozen() as snap:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
                 header, arrays = ps_wire.encode_replica_install(
                     variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
                 self._send(address, header, arrays)  # errors go to the coordinator, which retries
-                self.backup = address  # still under every lock: no push falls between sync and forwarding
+                # Still under every lock: no push falls between the sync and forwarding, and
+                # every forward from here on carries the new epoch.
+                with self._lock:
+                    self._check_attach(epoch)  # a Promote or a newer primary may have come meanwhile
+                    self.role, self.epoch, self.backup = "primary", epoch, address
         logger.info("backup %s attached at epoch %d (%d variables)", address, epoch, len(variables))
         return len(variables), sum(a.nbytes for a in arrays)
+
+    def _check_attach(self, epoch: int) -> None:
+        if epoch < self.epoch:
+            raise StaleEpochError(f"SetBackup for epoch {epoch}, but this PS is at epoch {self.epoch}")
+        if self.role == "backup":
+            raise NotPrimaryError(f"SetBackup sent to a backup PS (epoch {self.epoch}); promote it first")
 
     def promote(self, epoch: int) -> int:
         """Become the primary at ``epoch`` (this task was the backup of a failed primary)."""
