@@ -169,7 +169,7 @@ class PieceReader:
 def _cast(arr: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
     """``arr`` as ``dtype``. ``.npy`` has no code for ml_dtypes types (bfloat16): they are
     saved as raw bytes of their size (``|V2``) and read back by a view."""
-    if arr.dtype.kind == "V" and dtype.kind != "V" and arr.dtype.itemsize == dtype.itemsize and arr.dtype.fields is None:
+    if arr.dtype.type is np.void and dtype.type is not np.void and arr.dtype.itemsize == dtype.itemsize and arr.dtype.fields is None:
         return arr.view(dtype)
     try:
         return arr.astype(dtype, copy=False)
