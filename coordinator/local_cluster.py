@@ -333,7 +333,7 @@ class LocalCluster:
     def wait_exit(self, timeout: float) -> dict[str, int | None]:
         """Wait for every task to exit by itself (e.g. after the coordinator's shutdown)."""
         deadline = time.monotonic() + timeout
-        out = {}
+        out: dict[str, int | None] = {}
         for t in self._tasks.values():
             if t.proc is None:
                 continue

@@ -16,7 +16,7 @@ import hashlib
 import os
 import zipfile
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -67,7 +67,7 @@ def write_npz_atomic(directory: str, file_name: str, arrays: dict[str, np.ndarra
         raise InvalidRequestError(f"cannot create checkpoint file {_short(final)}: {e.strerror}") from None
     try:
         with f:
-            np.savez(f, **arrays)
+            np.savez(f, **cast("dict[str, Any]", arrays))  # cast: numpy's stub types **kwds like allow_pickle
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

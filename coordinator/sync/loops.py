@@ -394,7 +394,6 @@ def stack_batches(strategy: Any, batches: list[Any]) -> Any:
             raise ConfigurationError(f"run_steps: the batches have different structures ({tree0} and {t})")
     out = []
     for col in zip(*(leaves for leaves, _ in flat)):
-        col = list(col)
         if all(isinstance(x, PerReplica) for x in col):
             shapes = {tuple(x.stacked.shape) for x in col}
             if len(shapes) != 1:

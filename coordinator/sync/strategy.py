@@ -1114,8 +1114,9 @@ class _MeshStrategy(Strategy):
             from jaxdist.sync.extended import merge_reduce
 
             return merge_reduce(self, op, value, axis)
-        if ctx_lib.current_frame() is not None:
-            ctx_lib.current_frame().strategies.add(self)
+        frame = ctx_lib.current_frame()
+        if frame is not None:
+            frame.strategies.add(self)
         r = self.num_replicas_in_sync
 
         def per_replica(stacked: Any, rows: Any = None) -> Any:
@@ -1270,7 +1271,7 @@ class _MeshStrategy(Strategy):
         trees = [jax.tree.flatten(o) for o in outs]
         tree0 = trees[0][1]
         for _, tree in trees[1:]:
-            if tree != tree0:  # type: ignore[operator]
+            if tree != tree0:
                 raise ValueError(f"value_fn returned different structures for different replicas: {tree0} vs {tree}")
         columns = zip(*(leaves for leaves, _ in trees))
         out_leaves = []

@@ -250,7 +250,7 @@ class DataPlaneClient:
                 chan.recv_into(out, deadline)
             keep = True
             return body, out
-        except socket.timeout:
+        except TimeoutError:
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"data plane call to {self.host}:{self.port} timed out "
                             f"after {timeout:.1f}s") from None
         except (OSError, struct.error) as e:
