@@ -682,6 +682,8 @@ def decode_replica_installs(
     it = iter(arrays)
     out: list[InstalledVariable] = []
     for e in header.installs:
+        if not e.name:
+            raise InvalidRequestError("variable name must not be empty")
         value = next(it)
         leaves = [next(it) for _ in e.state]
         opt = optimizer(e.optimizer, e.optimizer_digest)
@@ -692,6 +694,12 @@ def decode_replica_installs(
                 raise InvalidRequestError(
                     f"variable {e.name!r}: {len(leaves)} optimizer state leaves sent, its optimizer has {len(template_leaves)}"
                 )
+            for i, (leaf, want) in enumerate(zip(leaves, template_leaves)):
+                if leaf.shape != np.shape(want):  # dtypes may differ (mixed precision moves them); shapes never
+                    raise InvalidRequestError(f"variable {e.name!r}: optimizer state leaf {i} has shape {list(leaf.shape)}, "
+                                              f"its optimizer makes {list(np.shape(want))}")
             state = jax.tree.unflatten(treedef, leaves)
+        elif leaves:
+            raise InvalidRequestError(f"variable {e.name!r}: optimizer state sent without an optimizer")
         out.append((e.name, value, opt, state, int(e.version)))
     return out

@@ -183,14 +183,21 @@ class Replication:
 
     # ------------------------------------------------------------ backup side
     def accept(self, header: ps_pb2.ReplicaHeader, arrays: Sequence[np.ndarray], optimizer: Callable[[bytes, str], Optimizer | None]) -> None:
-        """Apply one message from the primary (this task becomes/stays its backup)."""
+        """Apply one message from the primary (this task becomes/stays its backup).
+
+        The message is checked and decoded before anything changes: a refused one
+        (stale epoch, malformed installs) leaves the role, the epoch and the variables.
+        """
         with self._lock:
-            if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
-                raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
+            self._check_accept(header)
+        if header.kind == ps_pb2.REPLICA_INSTALL:
+            variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
+        elif header.kind not in (ps_pb2.REPLICA_UPDATE, ps_pb2.REPLICA_DELETE):
+            raise InvalidRequestError(f"unknown replication kind {header.kind}")
+        with self._lock:
+            self._check_accept(header)  # again: a Promote or SetBackup may have come meanwhile
             if header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync:
                 self.role, self.epoch, self.backup = "backup", header.epoch, ""
-            elif self.role != "backup":
-                raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")
         if header.kind == ps_pb2.REPLICA_UPDATE:
             self._from_primary.active = True
             try:
@@ -198,14 +205,18 @@ class Replication:
             finally:
                 self._from_primary.active = False
         elif header.kind == ps_pb2.REPLICA_INSTALL:
-            variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
             if header.full_sync:
                 self.store.replace_all(variables, list(header.applied_ids))
             else:
                 for name, value, opt, state, version in variables:
                     self.store.install(name, value, opt, state, version)
-        elif header.kind == ps_pb2.REPLICA_DELETE:
+        else:
             present = {i.name for i in self.store.info()}
             self.store.delete([n for n in header.deletes if n in present])
-        else:
-            raise InvalidRequestError(f"unknown replication kind {header.kind}")
+
+    def _check_accept(self, header: ps_pb2.ReplicaHeader) -> None:
+        """(With ``_lock`` held.) StaleEpochError unless this task may apply ``header`` from its primary."""
+        if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
+            raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
+        if not (header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync) and self.role != "backup":
+            raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")

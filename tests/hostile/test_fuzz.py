@@ -278,6 +278,8 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "replicate_before_full_sync": PRECONDITION,
     "replicate_empty_stream": INVALID,
     "replicate_bad_specs": INVALID,
+    # found while fixing item 5: a malformed full sync made the PS a backup before it was refused
+    "replicate_malformed_full_sync": INVALID,
 }
 
 PS_UNARY = ["ListVariables", "DeleteVariables", "GetStatus", "Save", "Restore", "Shutdown", "SetBackup", "Promote"]
@@ -387,6 +389,17 @@ def ps_generators(w: PSWorld) -> dict[str, Callable[[random.Random], Req]]:
             create(rng, name=""),
         ])
 
+    def malformed_full_sync(rng: random.Random) -> Req:
+        header = ps_pb2.ReplicaHeader(epoch=rng.randrange(0, 100), kind=ps_pb2.REPLICA_INSTALL, full_sync=True)
+        k = rng.randrange(3)
+        e = header.installs.add(name="" if k == 0 else name(rng, "fz-sync"), version=1,
+                                optimizer=b"\xff" + rng.randbytes(8) if k == 1 else w.opt_blob,
+                                optimizer_digest="" if k == 1 else w.opt_digest)
+        spec(F32, [2], out=e.value)
+        if k == 2:  # a state leaf the optimizer (SGD: no state) does not have
+            spec(F32, [2], out=e.state.add())
+        return Req("in", PS + "Replicate", [header.SerializeToString(), zeros(F32, [2]) * (2 if k == 2 else 1)])
+
     return {
         "no_token": lambda rng: _ps_any(rng.choice(PS_ALL), rng.choice([b"", garbage(rng)]), None),
         "wrong_token": lambda rng: _ps_any(rng.choice(PS_ALL), rng.choice([b"", garbage(rng)]), _wrong_md(rng)),
@@ -485,6 +498,7 @@ def ps_generators(w: PSWorld) -> dict[str, Callable[[random.Random], Req]]:
                                   push=ps_pb2.PushHeader.FromString(push_frames([f_value(rng)[0]])[0])).SerializeToString(), zeros(F32, f_shape)],
         ])),
         "replicate_empty_stream": lambda rng: Req("in", PS + "Replicate", []),
+        "replicate_malformed_full_sync": malformed_full_sync,
         "replicate_bad_specs": lambda rng: Req("in", PS + "Replicate", [ps_pb2.ReplicaHeader(
             epoch=1, kind=ps_pb2.REPLICA_UPDATE, push=ps_pb2.PushHeader.FromString(
                 push_frames([dict(name="f", op=ps_pb2.ASSIGN, value=(F32, [8, -4]))])[0])).SerializeToString()]),

@@ -137,6 +137,38 @@ def test_rejected_set_backup_leaves_the_epoch_unchanged(ps: Any) -> None:
     assert not problems, "; ".join(problems)
 
 
+@pytest.mark.parametrize("bad", ["garbage-optimizer", "extra-state-leaf", "wrong-state-shape", "empty-name"])
+def test_rejected_full_sync_leaves_the_primary_as_it_was(ps: Any, bad: str) -> None:
+    """Found while fixing item 5: a Replicate full sync made the PS a backup (role and epoch set)
+    before its installs were decoded, so a malformed one, refused INVALID_ARGUMENT, still left the
+    PS a backup refusing every client call (NOT_PRIMARY)."""
+    import optax
+
+    from jaxdist.proto.ps_wire import optimizer_payload
+
+    _, ch = ps
+    before, variables = state_counters(ch), ps_variables(ch)
+    blob, digest = optimizer_payload(optax.adam(0.1))  # state: count, mu [4], nu [4]
+    header = ps_pb2.ReplicaHeader(epoch=3, kind=ps_pb2.REPLICA_INSTALL, full_sync=True)
+    e = header.installs.add(name="" if bad == "empty-name" else "w", version=1,
+                            optimizer=b"\xff not a pickle" if bad == "garbage-optimizer" else blob, optimizer_digest=digest)
+    e.value.dtype = F32
+    e.value.shape.extend([4])
+    leaves = [(common_pb2.INT32, []), (F32, [4]), (F32, [4])] + ([(F32, [4])] if bad == "extra-state-leaf" else [])
+    if bad == "wrong-state-shape":
+        leaves[1] = (F32, [2])
+    payload = b"\0" * 16
+    for dtype, shape in leaves:
+        leaf = e.state.add(dtype=dtype)
+        leaf.shape.extend(shape)
+        payload += b"\0" * (4 * int(np.prod(shape)))
+    a = stream_in(ch, PS + "Replicate", [header.SerializeToString(), payload])
+    assert a.code == INVALID, f"a malformed full sync ({bad}) answered {a}"
+    changed = counter_changes(before, state_counters(ch))
+    assert not changed, f"a rejected full sync ({bad}) changed the PS: {changed}"
+    assert ps_variables(ch) == variables  # and it still serves clients (a backup refuses pulls)
+
+
 # ----------------------------------------------------------- item 6: typed statuses
 @pytest.mark.parametrize("if_exists", [7, -1])
 def test_create_with_an_unknown_if_exists_is_invalid_argument(ps: Any, if_exists: int) -> None:
