@@ -42,6 +42,8 @@ _PROTO_TO_NP: dict[int, np.dtype] = {v: k for k, v in _NP_TO_PROTO.items()}
 
 #: Shapes with more dimensions than this are rejected as malformed.
 MAX_RANK = 32
+#: The most bytes the non-zero dims of a shape may span (numpy's own limit: its largest index).
+_MAX_EXTENT = int(np.iinfo(np.intp).max)
 
 
 def canonical_dtype(dtype: object) -> np.dtype:
@@ -85,8 +87,9 @@ def spec_from_proto(spec: common_pb2.TensorSpec, max_bytes: int | None = None) -
     """Validate a wire spec and return ``(shape, dtype)``.
 
     Raises:
-        InvalidRequestError: negative dims, too many dims, unknown dtype.
-        PayloadTooLargeError: the tensor would exceed ``max_bytes``.
+        InvalidRequestError: negative dims, too many dims, unknown dtype, or an empty
+            shape whose other dims no array can have (``[0, 2**62, 2**62]``).
+        PayloadTooLargeError: the tensor would exceed ``max_bytes`` (or any memory).
     """
     dtype = dtype_from_proto(spec.dtype)
     if len(spec.shape) > MAX_RANK:
@@ -94,10 +97,17 @@ def spec_from_proto(spec: common_pb2.TensorSpec, max_bytes: int | None = None) -
     shape = tuple(int(d) for d in spec.shape)
     if any(d < 0 for d in shape):
         raise InvalidRequestError(f"negative dimension in shape {shape}")
-    if max_bytes is not None:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > max_bytes:
-            raise PayloadTooLargeError(f"tensor of shape {shape} and dtype {dtype} is {nbytes} bytes; the limit is {max_bytes}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if max_bytes is not None and nbytes > max_bytes:
+        raise PayloadTooLargeError(f"tensor of shape {shape} and dtype {dtype} is {nbytes} bytes; the limit is {max_bytes}")
+    # numpy refuses any shape whose non-zero dims span more bytes than an index can
+    # address, even when a zero dim makes it empty ([0, 2**62, 2**62]): such a shape
+    # describes no array anyone could have sent.
+    extent = math.prod(d for d in shape if d) * dtype.itemsize
+    if extent > _MAX_EXTENT:
+        if nbytes:
+            raise PayloadTooLargeError(f"tensor of shape {shape} and dtype {dtype} is {nbytes} bytes")
+        raise InvalidRequestError(f"shape {shape} has no elements but dimensions no array can have")
     return shape, dtype
 
 

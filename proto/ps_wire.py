@@ -59,6 +59,13 @@ __all__ = [
     "is_create",
     "decode_updates",
     "decode_creates",
+    "MAX_FILE_NAME_BYTES",
+    "check_file_name",
+    "check_directory",
+    "decode_save",
+    "RestorePiece",
+    "RestoreEntry",
+    "decode_restore",
     "encode_replica_update",
     "encode_replica_install",
     "encode_replica_delete",
@@ -393,21 +400,58 @@ def encode_create(specs: Sequence[CreateSpec]) -> tuple[ps_pb2.PushHeader, list[
 
 
 def push_payload_specs(header: ps_pb2.PushHeader, max_bytes: int) -> list[ArraySpec]:
-    """The (shape, dtype) of every payload array after a push header, in order (PS side).
+    """Check a push header and give the (shape, dtype) of every payload array after it, in order (PS side).
+
+    Everything a header can be wrong about on its own is checked here, before any
+    payload is read or anything changes, for both transports: entries present, not a
+    mix of creates and updates, known ops and ``if_exists`` codes, a value for every
+    update, a name and a value (or an initializer with a shape) for every create, no
+    name created twice, well-formed tensor specs. What needs the variables (names
+    that exist, shapes and dtypes that match) is the store's to check.
 
     Raises:
-        InvalidRequestError: no entries, or a malformed spec.
+        InvalidRequestError: a malformed header.
         PayloadTooLargeError: an array over ``max_bytes``.
     """
     if not header.entries:
         raise InvalidRequestError("PushHeader has no entries")
+    create = is_create(header)
+    names: set[str] = set()
     specs = []
     for e in header.entries:
+        if create:
+            _check_create_entry(e, names, max_bytes)
+        else:
+            op = Op.from_wire(e.op, e.name)
+            if not e.has_value:
+                raise InvalidRequestError(f"{op.value} on {e.name!r} carries no value")
+            if e.has_indices and op not in SPARSE_OPS:
+                raise InvalidRequestError(f"{op.value} on {e.name!r} takes no indices")
+            if not e.has_indices and op in SPARSE_OPS:
+                raise InvalidRequestError(f"{op.value} on {e.name!r} needs indices")
         if e.has_value:
             specs.append(codec.spec_from_proto(e.value, max_bytes))
         if e.has_indices:
             specs.append(codec.spec_from_proto(e.indices, max_bytes))
     return specs
+
+
+def _check_create_entry(e: ps_pb2.UpdateEntry, names: set[str], max_bytes: int) -> None:
+    if not e.name:
+        raise InvalidRequestError("variable name must not be empty")
+    if e.name in names:
+        raise InvalidRequestError(f"variable {e.name!r} is created twice in one push")
+    names.add(e.name)
+    IfExists.from_wire(e.if_exists)
+    if e.has_indices:
+        raise InvalidRequestError(f"the create of {e.name!r} carries indices")
+    if e.has_value:
+        if e.initializer or e.HasField("create_spec"):
+            raise InvalidRequestError(f"variable {e.name!r}: give a value or an initializer, not both")
+    elif not e.initializer or not e.HasField("create_spec"):
+        raise InvalidRequestError(f"variable {e.name!r}: give a value, or an initializer with shape and dtype")
+    else:
+        codec.spec_from_proto(e.create_spec, max_bytes)
 
 
 def is_create(header: ps_pb2.PushHeader) -> bool:
@@ -423,7 +467,8 @@ def is_create(header: ps_pb2.PushHeader) -> bool:
 
 
 def decode_updates(header: ps_pb2.PushHeader, arrays: Iterator[np.ndarray]) -> list[Update]:
-    """The updates of a push header whose payload arrays come from ``arrays`` (in payload order)."""
+    """The updates of a push header (checked by :func:`push_payload_specs`) whose payload
+    arrays come from ``arrays`` (in payload order)."""
     updates = []
     for e in header.entries:
         op = Op.from_wire(e.op, e.name)
@@ -436,7 +481,7 @@ def decode_updates(header: ps_pb2.PushHeader, arrays: Iterator[np.ndarray]) -> l
 
 
 def decode_creates(header: ps_pb2.PushHeader, arrays: Iterator[np.ndarray], max_bytes: int) -> list[Created]:
-    """The creates of a CREATE push whose payload arrays come from ``arrays``."""
+    """The creates of a CREATE push (checked by :func:`push_payload_specs`) whose payload arrays come from ``arrays``."""
     out = []
     for e in header.entries:
         shape = dtype = None
@@ -454,6 +499,121 @@ def decode_creates(header: ps_pb2.PushHeader, arrays: Iterator[np.ndarray], max_
             if_exists=IfExists.from_wire(e.if_exists),
         ))
     return out
+
+
+# ------------------------------------------------------------ save and restore
+#: Longest checkpoint file name a Save may ask for, in UTF-8 bytes (file systems allow
+#: 255; the PS writes ``<name>.tmp-<pid>`` first).
+MAX_FILE_NAME_BYTES = 200
+
+
+def check_file_name(file_name: str, what: str = "file name") -> str:
+    """``file_name`` if it is a plain file name (no directory part, not ``.``/``..``, no NUL, not too long).
+
+    Raises:
+        InvalidRequestError: it is not.
+    """
+    if not file_name or file_name in (".", "..") or "/" in file_name or "\0" in file_name:
+        raise InvalidRequestError(f"{what} {_short(file_name)} is not a plain file name")
+    if len(file_name.encode()) > MAX_FILE_NAME_BYTES:
+        raise InvalidRequestError(f"{what} {_short(file_name)} is longer than {MAX_FILE_NAME_BYTES} bytes")
+    return file_name
+
+
+def check_directory(directory: str) -> str:
+    """``directory`` if it can name a directory (not empty, no NUL).
+
+    Raises:
+        InvalidRequestError: it cannot.
+    """
+    if not directory or "\0" in directory:
+        raise InvalidRequestError(f"directory {_short(directory)} is not a path")
+    return directory
+
+
+def _short(text: str, keep: int = 64) -> str:
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
+
+
+def decode_save(req: ps_pb2.SaveRequest) -> tuple[str, str]:
+    """``(directory, file_name)`` of a SaveRequest.
+
+    Raises:
+        InvalidRequestError: no directory, or a file name that is not a plain name.
+    """
+    return check_directory(req.directory), check_file_name(req.file_name)
+
+
+@dataclass
+class RestorePiece:
+    """Rows ``[src_start, src_stop)`` of array ``source`` in checkpoint file ``file``, written at row ``dst_start``."""
+
+    file: str
+    sha256: str
+    source: str
+    src_start: int
+    src_stop: int
+    dst_start: int
+
+
+@dataclass
+class RestoreEntry:
+    """One variable to restore from its pieces (checked: they tile its rows exactly)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    pieces: list[RestorePiece]
+    optimizer: bytes
+    optimizer_digest: str
+    with_optimizer_state: bool
+
+
+def decode_restore(req: ps_pb2.RestoreRequest, max_bytes: int) -> tuple[str, list[RestoreEntry]]:
+    """``(directory, entries)`` of a RestoreRequest.
+
+    A scalar entry has exactly one piece (the whole array). A variable with rows
+    has pieces that tile its rows exactly: each non-empty, within the variable,
+    none overlapping another, none missing; so a restored value never holds a
+    row written twice or never written. Whether a piece's rows exist in its
+    file is checked when the file is read.
+
+    Raises:
+        InvalidRequestError: a malformed entry or pieces that do not tile the variable.
+        PayloadTooLargeError: a variable over ``max_bytes``.
+    """
+    directory = check_directory(req.directory)
+    entries = []
+    names: set[str] = set()
+    for e in req.entries:
+        if not e.name:
+            raise InvalidRequestError("variable name must not be empty")
+        if e.name in names:
+            raise InvalidRequestError(f"variable {_short(e.name)} is restored twice in one request")
+        names.add(e.name)
+        shape, dtype = codec.spec_from_proto(e.spec, max_bytes)
+        pieces = [RestorePiece(check_file_name(p.file, "checkpoint file"), p.sha256, p.source, p.src_start, p.src_stop, p.dst_start)
+                  for p in e.pieces]
+        _check_tiling(e.name, shape, pieces)
+        entries.append(RestoreEntry(e.name, shape, dtype, pieces, e.optimizer, e.optimizer_digest, e.with_optimizer_state))
+    return directory, entries
+
+
+def _check_tiling(name: str, shape: tuple[int, ...], pieces: Sequence[RestorePiece]) -> None:
+    if not shape:
+        if len(pieces) != 1:
+            raise InvalidRequestError(f"scalar {_short(name)} needs exactly one piece, got {len(pieces)}")
+        return
+    row = 0
+    for p in sorted(pieces, key=lambda p: p.dst_start):
+        if not 0 <= p.src_start < p.src_stop:
+            raise InvalidRequestError(f"piece [{p.src_start}:{p.src_stop}] of {_short(name)} is empty or negative")
+        if p.dst_start != row:
+            gap = "overlaps the rows before it" if p.dst_start < row else f"leaves rows {row}-{p.dst_start - 1} unwritten"
+            raise InvalidRequestError(f"piece at row {p.dst_start} of {_short(name)} {gap}")
+        row += p.src_stop - p.src_start
+    if row != shape[0]:
+        raise InvalidRequestError(f"the pieces of {_short(name)} cover {row} rows, the variable has {shape[0]}")
 
 
 # ----------------------------------------------------------------- replication
@@ -522,6 +682,8 @@ def decode_replica_installs(
     it = iter(arrays)
     out: list[InstalledVariable] = []
     for e in header.installs:
+        if not e.name:
+            raise InvalidRequestError("variable name must not be empty")
         value = next(it)
         leaves = [next(it) for _ in e.state]
         opt = optimizer(e.optimizer, e.optimizer_digest)
@@ -532,6 +694,12 @@ def decode_replica_installs(
                 raise InvalidRequestError(
                     f"variable {e.name!r}: {len(leaves)} optimizer state leaves sent, its optimizer has {len(template_leaves)}"
                 )
+            for i, (leaf, want) in enumerate(zip(leaves, template_leaves)):
+                if leaf.shape != np.shape(want):  # dtypes may differ (mixed precision moves them); shapes never
+                    raise InvalidRequestError(f"variable {e.name!r}: optimizer state leaf {i} has shape {list(leaf.shape)}, "
+                                              f"its optimizer makes {list(np.shape(want))}")
             state = jax.tree.unflatten(treedef, leaves)
+        elif leaves:
+            raise InvalidRequestError(f"variable {e.name!r}: optimizer state sent without an optimizer")
         out.append((e.name, value, opt, state, int(e.version)))
     return out

@@ -39,10 +39,28 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
 UNAVAILABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 
 
+#: The most UTF-8 bytes of an error's text a caller is sent. gRPC carries the text in
+#: trailing metadata, percent-encoded (up to 3x), and drops metadata past 8 KB at random
+#: and past 16 KB always, answering RESOURCE_EXHAUSTED instead of the error's own status;
+#: error texts echo request fields (a 20 KB variable name), so they are cut to fit.
+MAX_DETAILS_BYTES = 2048
+
+
+def details(exc: E.JaxdistError) -> str:
+    """The text a caller is sent for ``exc`` (both transports): its message, cut to
+    :data:`MAX_DETAILS_BYTES` with the number of bytes left out."""
+    text = str(exc) or type(exc).__name__
+    raw = text.encode(errors="replace")
+    if len(raw) <= MAX_DETAILS_BYTES:
+        return text
+    keep = MAX_DETAILS_BYTES - 64  # room for the marker
+    return raw[:keep].decode(errors="ignore") + f"... [{len(raw) - keep} more bytes]"
+
+
 def abort(context: grpc.ServicerContext, exc: E.JaxdistError) -> NoReturn:
-    """End the current RPC with ``exc``'s status code and reason."""
+    """End the current RPC with ``exc``'s status code and reason (its text cut by :func:`details`)."""
     context.set_trailing_metadata(((REASON_KEY, exc.reason),))
-    context.abort(exc.code, str(exc) or type(exc).__name__)
+    context.abort(exc.code, details(exc))
     raise AssertionError("unreachable")  # context.abort raises
 
 

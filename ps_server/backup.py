@@ -141,25 +141,36 @@ class Replication:
 
     # ----------------------------------------------------------- coordinator
     def attach(self, address: str, epoch: int) -> tuple[int, int]:
-        """Make ``address`` this primary's backup: full sync, then forward. Returns (variables, bytes)."""
-        with self._lock:
-            if epoch < self.epoch:
-                raise StaleEpochError(f"SetBackup for epoch {epoch}, but this PS is at epoch {self.epoch}")
-            if self.role == "backup":
-                raise NotPrimaryError(f"SetBackup sent to a backup PS (epoch {self.epoch}); promote it first")
-            self.role, self.epoch = "primary", epoch
+        """Make ``address`` this primary's backup: full sync, then forward. Returns (variables, bytes).
+
+        The role and epoch change only once the full sync was delivered: a SetBackup
+        that fails (stale epoch, sent to a backup, backup unreachable) changes nothing.
+        """
+        self._check_attach(epoch)
         with self._membership:
             if not address:
-                self.backup = ""
+                with self._lock:
+                    self._check_attach(epoch)
+                    self.role, self.epoch, self.backup = "primary", epoch, ""
                 return 0, 0
             with self.store.frozen() as snap:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
                 header, arrays = ps_wire.encode_replica_install(
                     variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
                 self._send(address, header, arrays)  # errors go to the coordinator, which retries
-                self.backup = address  # still under every lock: no push falls between sync and forwarding
+                # Still under every lock: no push falls between the sync and forwarding, and
+                # every forward from here on carries the new epoch.
+                with self._lock:
+                    self._check_attach(epoch)  # a Promote or a newer primary may have come meanwhile
+                    self.role, self.epoch, self.backup = "primary", epoch, address
         logger.info("backup %s attached at epoch %d (%d variables)", address, epoch, len(variables))
         return len(variables), sum(a.nbytes for a in arrays)
+
+    def _check_attach(self, epoch: int) -> None:
+        if epoch < self.epoch:
+            raise StaleEpochError(f"SetBackup for epoch {epoch}, but this PS is at epoch {self.epoch}")
+        if self.role == "backup":
+            raise NotPrimaryError(f"SetBackup sent to a backup PS (epoch {self.epoch}); promote it first")
 
     def promote(self, epoch: int) -> int:
         """Become the primary at ``epoch`` (this task was the backup of a failed primary)."""
@@ -172,14 +183,21 @@ class Replication:
 
     # ------------------------------------------------------------ backup side
     def accept(self, header: ps_pb2.ReplicaHeader, arrays: Sequence[np.ndarray], optimizer: Callable[[bytes, str], Optimizer | None]) -> None:
-        """Apply one message from the primary (this task becomes/stays its backup)."""
+        """Apply one message from the primary (this task becomes/stays its backup).
+
+        The message is checked and decoded before anything changes: a refused one
+        (stale epoch, malformed installs) leaves the role, the epoch and the variables.
+        """
         with self._lock:
-            if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
-                raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
+            self._check_accept(header)
+        if header.kind == ps_pb2.REPLICA_INSTALL:
+            variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
+        elif header.kind not in (ps_pb2.REPLICA_UPDATE, ps_pb2.REPLICA_DELETE):
+            raise InvalidRequestError(f"unknown replication kind {header.kind}")
+        with self._lock:
+            self._check_accept(header)  # again: a Promote or SetBackup may have come meanwhile
             if header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync:
                 self.role, self.epoch, self.backup = "backup", header.epoch, ""
-            elif self.role != "backup":
-                raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")
         if header.kind == ps_pb2.REPLICA_UPDATE:
             self._from_primary.active = True
             try:
@@ -187,14 +205,18 @@ class Replication:
             finally:
                 self._from_primary.active = False
         elif header.kind == ps_pb2.REPLICA_INSTALL:
-            variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
             if header.full_sync:
                 self.store.replace_all(variables, list(header.applied_ids))
             else:
                 for name, value, opt, state, version in variables:
                     self.store.install(name, value, opt, state, version)
-        elif header.kind == ps_pb2.REPLICA_DELETE:
+        else:
             present = {i.name for i in self.store.info()}
             self.store.delete([n for n in header.deletes if n in present])
-        else:
-            raise InvalidRequestError(f"unknown replication kind {header.kind}")
+
+    def _check_accept(self, header: ps_pb2.ReplicaHeader) -> None:
+        """(With ``_lock`` held.) StaleEpochError unless this task may apply ``header`` from its primary."""
+        if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
+            raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
+        if not (header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync) and self.role != "backup":
+            raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")

@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 import os
 import zipfile
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError
+from jaxdist.proto.ps_wire import RestorePiece
 
 _READ_BLOCK = 8 << 20
 
@@ -32,13 +34,39 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def prepare_directory(directory: str) -> None:
+    """Make ``directory`` (and its parents) if missing, ready for :func:`write_npz_atomic`.
+
+    Raises:
+        InvalidRequestError: it is a file, or it cannot be made (a parent is a file,
+            no permission, a name too long): the caller named a place nothing can be saved.
+    """
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise InvalidRequestError(f"cannot make checkpoint directory {_short(directory)}: {e.strerror}") from None
+    if not os.path.isdir(directory):
+        raise InvalidRequestError(f"checkpoint directory {_short(directory)} is not a directory")
+
+
 def write_npz_atomic(directory: str, file_name: str, arrays: dict[str, np.ndarray]) -> tuple[str, int]:
-    """Write ``arrays`` to ``directory/file_name`` atomically; returns (sha256, bytes)."""
-    os.makedirs(directory, exist_ok=True)
+    """Write ``arrays`` to ``directory/file_name`` atomically; returns (sha256, bytes).
+
+    Raises:
+        InvalidRequestError: the file cannot be created there (no permission, a
+            directory of that name, ...). Failures while writing (a full disk) propagate.
+    """
+    prepare_directory(directory)
     final = os.path.join(directory, file_name)
+    if os.path.isdir(final):
+        raise InvalidRequestError(f"checkpoint file {_short(final)} is a directory")
     tmp = f"{final}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        f = open(tmp, "wb")
+    except OSError as e:
+        raise InvalidRequestError(f"cannot create checkpoint file {_short(final)}: {e.strerror}") from None
+    try:
+        with f:
             np.savez(f, **cast("dict[str, Any]", arrays))  # cast: numpy's stub types **kwds like allow_pickle
             f.flush()
             os.fsync(f.fileno())
@@ -48,6 +76,10 @@ def write_npz_atomic(directory: str, file_name: str, arrays: dict[str, np.ndarra
             os.unlink(tmp)
         raise
     return sha256_file(final), os.path.getsize(final)
+
+
+def _short(text: str, keep: int = 200) -> str:
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
 class PieceReader:
@@ -61,17 +93,17 @@ class PieceReader:
     def _open(self, file: str, sha: str) -> Any:
         f = self._files.get(file)
         if f is None:
-            if os.path.basename(file) != file:
-                raise InvalidRequestError(f"checkpoint file name {file!r} must be a plain name")
+            if os.path.basename(file) != file or file in ("", ".", ".."):
+                raise InvalidRequestError(f"checkpoint file name {_short(file)} must be a plain name")
             path = os.path.join(self.directory, file)
-            if not os.path.exists(path):
-                raise InvalidRequestError(f"checkpoint file {path} does not exist")
-            if sha and sha256_file(path) != sha:
-                raise InvalidRequestError(f"checkpoint file {path} is corrupt (sha256 mismatch)")
+            if not os.path.isfile(path):
+                raise InvalidRequestError(f"checkpoint file {_short(path)} does not exist")
             try:
+                if sha and sha256_file(path) != sha:
+                    raise InvalidRequestError(f"checkpoint file {_short(path)} is corrupt (sha256 mismatch)")
                 f = np.load(path, allow_pickle=False)
             except (OSError, ValueError, zipfile.BadZipFile) as e:
-                raise InvalidRequestError(f"checkpoint file {path} is unreadable: {e}") from None
+                raise InvalidRequestError(f"checkpoint file {_short(path)} is unreadable: {e}") from None
             self._files[file] = f
         return f
 
@@ -80,42 +112,51 @@ class PieceReader:
         if arr is None:
             f = self._open(file, sha)
             if key not in f.files:
-                raise InvalidRequestError(f"checkpoint file {file} has no array {key!r}")
-            arr = f[key]
+                raise InvalidRequestError(f"checkpoint file {file} has no array {_short(key)}")
+            try:
+                arr = f[key]
+            except (OSError, ValueError, zipfile.BadZipFile) as e:  # a damaged member, an object array
+                raise InvalidRequestError(f"array {_short(key)} of checkpoint file {file} is unreadable: {e}") from None
             self._cache[(file, key)] = arr
         return arr
 
     def assemble(
         self,
         kind: str,
-        pieces: list[tuple[str, str, str, int, int, int]],
+        pieces: Sequence[RestorePiece],
         shape: tuple[int, ...],
         dtype: np.dtype,
         row_shaped: bool = True,
     ) -> np.ndarray:
         """Build an array of ``shape`` from row pieces; ``kind`` is "param" or "opt#<leaf index>".
 
-        Non-row-shaped optimizer leaves (step counts) are taken whole from the first piece.
+        ``pieces`` tile ``shape``'s rows exactly (:func:`~jaxdist.proto.ps_wire.decode_restore`
+        checked that); here each piece is checked against the array it reads.
+        Non-row-shaped optimizer leaves (step counts) and scalars are taken whole from the first piece.
+
+        Raises:
+            InvalidRequestError: a missing file or array, or one that does not fit.
         """
         def key(source: str) -> str:
             return f"param/{source}" if kind == "param" else f"opt/{source}/{kind.split('#', 1)[1]}"
 
         if not row_shaped or not shape:
-            file, sha, source, *_ = pieces[0]
-            arr = self._array(file, sha, key(source))
+            if not pieces:
+                raise InvalidRequestError(f"no piece to read {kind} of shape {shape} from")
+            p = pieces[0]
+            arr = self._array(p.file, p.sha256, key(p.source))
             if arr.shape != tuple(shape):
-                raise InvalidRequestError(f"optimizer state {key(source)} has shape {arr.shape}, expected {shape}")
-            return arr.astype(dtype, copy=False)
+                raise InvalidRequestError(f"{_short(key(p.source))} has shape {arr.shape}, expected {shape}")
+            return _cast(arr, dtype, key(p.source))
         out = np.empty(shape, dtype)
-        filled = 0
-        for file, sha, source, start, stop, dst in pieces:
-            arr = self._array(file, sha, key(source))
-            if arr.shape[1:] != tuple(shape[1:]) or not (0 <= start <= stop <= arr.shape[0]) or dst + stop - start > shape[0]:
-                raise InvalidRequestError(f"piece {key(source)}[{start}:{stop}] does not fit {shape} at row {dst}")
-            out[dst : dst + stop - start] = arr[start:stop]
-            filled += stop - start
-        if filled != shape[0]:
-            raise InvalidRequestError(f"pieces cover {filled} of {shape[0]} rows")
+        for p in pieces:
+            arr = self._array(p.file, p.sha256, key(p.source))
+            rows = p.src_stop - p.src_start
+            if arr.ndim != len(shape) or arr.shape[1:] != tuple(shape[1:]) or not (0 <= p.src_start <= p.src_stop <= arr.shape[0]) \
+                    or not 0 <= p.dst_start <= shape[0] - rows:
+                raise InvalidRequestError(f"piece {_short(key(p.source))}[{p.src_start}:{p.src_stop}] of shape {arr.shape} "
+                                          f"does not fit {shape} at row {p.dst_start}")
+            out[p.dst_start : p.dst_start + rows] = _cast(arr[p.src_start : p.src_stop], dtype, key(p.source))
         return out
 
     def close(self) -> None:
@@ -123,3 +164,14 @@ class PieceReader:
             f.close()
         self._files.clear()
         self._cache.clear()
+
+
+def _cast(arr: np.ndarray, dtype: np.dtype, key: str) -> np.ndarray:
+    """``arr`` as ``dtype``. ``.npy`` has no code for ml_dtypes types (bfloat16): they are
+    saved as raw bytes of their size (``|V2``) and read back by a view."""
+    if arr.dtype.type is np.void and dtype.type is not np.void and arr.dtype.itemsize == dtype.itemsize and arr.dtype.fields is None:
+        return arr.view(dtype)
+    try:
+        return arr.astype(dtype, copy=False)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequestError(f"{_short(key)} ({arr.dtype}) cannot be read as {dtype}: {e}") from None

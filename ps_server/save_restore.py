@@ -12,8 +12,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxdist.base.errors import InvalidRequestError
-from jaxdist.proto import codec, ps_pb2
+from jaxdist.proto import codec, ps_pb2, ps_wire
 from jaxdist.ps_server import checkpoint_io
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import VariableStore
@@ -32,13 +31,15 @@ def save(store: VariableStore, req: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
     is half in it.
 
     Raises:
-        InvalidRequestError: no directory, or a file name that is not a plain name.
+        InvalidRequestError: no directory, a file name that is not a plain name
+            (:func:`~jaxdist.proto.ps_wire.decode_save`), or a directory that cannot be
+            made or written (a file, no permission); nothing is written then.
     """
-    if not req.directory or not req.file_name or "/" in req.file_name:
-        raise InvalidRequestError("Save needs a directory and a plain file name")
+    directory, file_name = ps_wire.decode_save(req)
+    checkpoint_io.prepare_directory(directory)
     with store.frozen() as snapshot:
         arrays: dict[str, np.ndarray] = {}
-        out = ps_pb2.SaveResponse(file_name=req.file_name)
+        out = ps_pb2.SaveResponse(file_name=file_name)
         for name, value, opt_state, version in snapshot:
             leaves = jax.tree.leaves(opt_state) if opt_state is not None else []
             arrays[f"param/{name}"] = value
@@ -48,7 +49,7 @@ def save(store: VariableStore, req: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
             codec.spec_to_proto(value.shape, value.dtype, sv.spec)
         # Arrays are immutable snapshots (in-place updates copy while readers exist),
         # but writing under the locks keeps the cut exact and simple.
-        sha, nbytes = checkpoint_io.write_npz_atomic(req.directory, req.file_name, arrays)
+        sha, nbytes = checkpoint_io.write_npz_atomic(directory, file_name, arrays)
     out.sha256, out.bytes = sha, nbytes
     return out
 
@@ -59,25 +60,27 @@ def read_restore(
     """Assemble every entry of ``req`` from its pieces (re-sharding allowed), verifying checksums.
 
     Nothing is installed: the caller installs the result once every entry was
-    read, so a bad checkpoint changes nothing. ``optimizer(blob, digest)`` gives
+    read, so a bad request or checkpoint changes nothing. ``optimizer(blob, digest)`` gives
     an entry's optimizer (see :class:`~jaxdist.ps_server.optimizer_cache.OptimizerCache`).
 
     Raises:
-        InvalidRequestError: a missing, corrupt or mismatched file or piece.
+        InvalidRequestError: a malformed request (pieces that do not tile a variable
+            exactly among others, see :func:`~jaxdist.proto.ps_wire.decode_restore`), a
+            missing, corrupt or mismatched file or piece.
+        PayloadTooLargeError: a variable over ``max_variable_bytes``.
     """
-    reader = checkpoint_io.PieceReader(req.directory)
+    directory, entries = ps_wire.decode_restore(req, max_variable_bytes)
+    reader = checkpoint_io.PieceReader(directory)
     try:
         staged: list[Staged] = []
-        for e in req.entries:
-            shape, dtype = codec.spec_from_proto(e.spec, max_variable_bytes)
-            pieces = [(p.file, p.sha256, p.source, p.src_start, p.src_stop, p.dst_start) for p in e.pieces]
-            value = reader.assemble("param", pieces, shape, dtype)
+        for e in entries:
+            value = reader.assemble("param", e.pieces, e.shape, e.dtype)
             opt = optimizer(e.optimizer, e.optimizer_digest)
             state = None
             if opt is not None and e.with_optimizer_state:
                 leaves, treedef = jax.tree.flatten(opt.init(value))
                 state = jax.tree.unflatten(treedef, [
-                    reader.assemble(f"opt#{i}", pieces, leaf.shape, leaf.dtype, row_shaped=leaf.shape == shape)
+                    reader.assemble(f"opt#{i}", e.pieces, leaf.shape, leaf.dtype, row_shaped=leaf.shape == e.shape)
                     for i, leaf in enumerate(leaves)
                 ])
             staged.append((e.name, value, opt, state))

@@ -35,7 +35,7 @@ from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
 from jaxdist.ps_server.optimizer_cache import OptimizerCache, unpickle
-from jaxdist.ps_server.store import VariableStore
+from jaxdist.ps_server.store import NewVariable, VariableStore
 from jaxdist.transport import dataplane
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.transport.handlers import stream_in_handler, stream_out_handler, unary_handler
@@ -121,17 +121,18 @@ class ParameterServerServicer:
         return header, ps_wire.push_payload_specs(header, self.store.max_variable_bytes)
 
     def _push_apply(self, header: ps_pb2.PushHeader, received: list[np.ndarray]) -> ps_pb2.PushResponse:
-        self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received))
+        """Apply a checked push (:meth:`_push_specs`); counted only once it was applied (or was a
+        duplicate): a rejected push changes nothing, its counters included."""
         if ps_wire.is_create(header):
             created = ps_wire.decode_creates(header, iter(received), self.store.max_variable_bytes)
-            versions = [self._create(c) for c in created]
+            versions = self.store.create_many([self._new_variable(c) for c in created])
+            self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received))
             self.replication.forward_install([c.name for c in created])
             return ps_pb2.PushResponse(versions=versions)
         updates = ps_wire.decode_updates(header, iter(received))
-        self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
         versions, dup = self.store.apply(updates, header.update_id)
-        if dup:
-            self.counters.add(duplicates=1)
+        self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
+        self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
         return ps_pb2.PushResponse(versions=versions, duplicate=dup)
 
     def push(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> ps_pb2.PushResponse:
@@ -149,8 +150,9 @@ class ParameterServerServicer:
         payload.read_into(received)
         yield self._push_apply(msg, received).SerializeToString(), []
 
-    def _create(self, c: ps_wire.Created) -> int:
-        return self.store.create(
+    def _new_variable(self, c: ps_wire.Created) -> NewVariable:
+        """What the store creates for ``c``: its initializer unpickled, its optimizer from the cache."""
+        return NewVariable(
             c.name,
             value=c.value,
             shape=c.shape,

@@ -40,7 +40,7 @@ from jaxdist.base.errors import (
 from jaxdist.proto.ps_wire import SPARSE_OPS, IfExists, Op, Update, transfer_dtype
 from jaxdist.ps_server.optimizer import Optimizer
 
-__all__ = ["DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore"]
+__all__ = ["DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore"]
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_VARIABLE_BYTES = 8 << 30
@@ -107,6 +107,21 @@ class _Variable:
 
 
 @dataclass
+class NewVariable:
+    """A variable to create (:meth:`VariableStore.create_many`): from ``value``, or from
+    ``initializer(shape, dtype, offset)``; ``if_exists`` when the name is taken."""
+
+    name: str
+    value: np.ndarray | None = None
+    shape: Sequence[int] | None = None
+    dtype: Any = None
+    initializer: Callable[..., Any] | None = None
+    offset: tuple[int, ...] = ()
+    optimizer: Optimizer | None = None
+    if_exists: IfExists = IfExists.FAIL
+
+
+@dataclass
 class ReadResult:
     value: np.ndarray | None  # None when not modified
     version: int
@@ -151,43 +166,74 @@ class VariableStore:
         the name is taken: FAIL raises VariableExistsError, KEEP returns the
         existing version untouched, REPLACE overwrites value and optimizer state.
         """
-        if not name:
+        return self.create_many([NewVariable(name, value, shape, dtype, initializer, tuple(offset), optimizer, if_exists)])[0]
+
+    def create_many(self, news: Sequence[NewVariable]) -> list[int]:
+        """Create several variables, all or none (see :meth:`create`); their versions, in order.
+
+        Every entry is checked and built (initializers run, optimizer states made)
+        before any is inserted, so a batch with one bad entry changes nothing.
+
+        Raises:
+            InvalidRequestError: an empty name, a name twice, no value and no initializer,
+                or an initializer that raised.
+            VariableExistsError: a name is taken and its ``if_exists`` is FAIL.
+            ShapeMismatchError, PayloadTooLargeError: a value of the wrong shape, or too large.
+        """
+        names = [n.name for n in news]
+        if not all(names):
             raise InvalidRequestError("variable name must not be empty")
-        with self._lock:
-            existing = self._vars.get(name)
-        if existing is not None:
-            if if_exists is IfExists.FAIL:
-                raise VariableExistsError(f"variable {name!r} already exists")
-            if if_exists is IfExists.KEEP:
-                return existing.version
+        if len(set(names)) != len(names):
+            raise InvalidRequestError("a variable is created twice in one batch")
+        while True:
+            with self._lock:
+                kept = {n.name for n in news if n.if_exists is IfExists.KEEP and n.name in self._vars}
+                self._refuse_taken(news)
+            built = {n.name: self._build(n) for n in news if n.name not in kept}
+            with self._lock:
+                self._refuse_taken(news)  # again: a concurrent create may have taken a name meanwhile
+                if any(n not in self._vars for n in kept):
+                    continue  # a kept variable was deleted meanwhile: build it after all
+                versions = []
+                for n in news:
+                    if n.name in kept:
+                        versions.append(self._vars[n.name].version)
+                    else:
+                        self._vars[n.name] = built[n.name]
+                        versions.append(built[n.name].version)
+                return versions
+
+    def _refuse_taken(self, news: Sequence[NewVariable]) -> None:
+        """(With ``_lock`` held.) VariableExistsError for the first FAIL entry whose name is taken."""
+        for n in news:
+            if n.if_exists is IfExists.FAIL and n.name in self._vars:
+                raise VariableExistsError(f"variable {n.name!r} already exists")
+
+    def _build(self, n: NewVariable) -> _Variable:
+        """The variable ``n`` describes, checked and initialised (not inserted)."""
+        value = n.value
         if value is None:
-            if initializer is None or shape is None or dtype is None:
-                raise InvalidRequestError(f"variable {name!r}: give a value, or an initializer with shape and dtype")
-            shape = tuple(int(d) for d in shape)
-            dt = np.dtype(dtype)
-            self._check_size(name, shape, dt)
+            if n.initializer is None or n.shape is None or n.dtype is None:
+                raise InvalidRequestError(f"variable {n.name!r}: give a value, or an initializer with shape and dtype")
+            shape = tuple(int(d) for d in n.shape)
+            dt = np.dtype(n.dtype)
+            self._check_size(n.name, shape, dt)
             try:
-                value = initializer(shape, dt, tuple(offset))
+                value = n.initializer(shape, dt, tuple(n.offset))
             except Exception as e:  # the user's initializer: report it, don't crash
-                raise InvalidRequestError(f"variable {name!r}: initializer raised {type(e).__name__}: {e}") from e
+                raise InvalidRequestError(f"variable {n.name!r}: initializer raised {type(e).__name__}: {e}") from e
             value = np.asarray(value)
             if value.shape != shape:
-                raise ShapeMismatchError(f"variable {name!r}: initializer returned shape {value.shape}, expected {shape}")
+                raise ShapeMismatchError(f"variable {n.name!r}: initializer returned shape {value.shape}, expected {shape}")
             if value.dtype != dt:
                 value = value.astype(dt)
         value = np.asarray(value)
-        self._check_size(name, value.shape, value.dtype)
+        self._check_size(n.name, value.shape, value.dtype)
         value = np.array(value, copy=True, order="C")
-        var = _Variable(name=name, shape=tuple(value.shape), dtype=value.dtype, value=value, optimizer=optimizer)
-        if optimizer is not None:
-            var.opt_state = optimizer.init(value)
-        with self._lock:
-            if name in self._vars and if_exists is IfExists.FAIL:
-                raise VariableExistsError(f"variable {name!r} already exists")
-            if name in self._vars and if_exists is IfExists.KEEP:
-                return self._vars[name].version
-            self._vars[name] = var
-        return var.version
+        var = _Variable(name=n.name, shape=tuple(value.shape), dtype=value.dtype, value=value, optimizer=n.optimizer)
+        if n.optimizer is not None:
+            var.opt_state = n.optimizer.init(value)
+        return var
 
     def _check_size(self, name: str, shape: Sequence[int], dtype: np.dtype) -> None:
         nbytes = math.prod(shape) * dtype.itemsize

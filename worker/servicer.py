@@ -48,6 +48,36 @@ SERVICE = "jaxdist.Worker"
 _FUNCTION_CACHE_SIZE = 1024
 
 
+def _ps_addresses(cluster_json: str) -> list[str]:
+    """The PS addresses of a Configure's ``cluster_json`` (``{"ps": ["host:port", ...], ...}``).
+
+    Raises:
+        InvalidRequestError: not JSON (nesting too deep included), not an object, or a
+            ``ps`` that is not a list of non-empty address strings.
+    """
+    try:
+        cluster = json.loads(cluster_json or "{}")
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; so are 5,000-digit numbers
+        raise InvalidRequestError(f"cluster_json is not JSON: {type(e).__name__}: {str(e)[:200]}") from None
+    if not isinstance(cluster, dict) or not isinstance(cluster.get("ps", []), list):
+        raise InvalidRequestError("cluster_json must be an object with a 'ps' list")
+    addresses = cluster.get("ps", [])
+    bad = [a for a in addresses if not isinstance(a, str) or not a or "\0" in a]
+    if bad:
+        raise InvalidRequestError(f"cluster_json: 'ps' must list addresses (non-empty strings), not {str(bad[0])[:64]!r}")
+    return addresses
+
+
+def _check_digest(call: worker_pb2.ClosureCall) -> None:
+    """A call's function payload, when it has one, must hash to its digest.
+
+    Raises:
+        InvalidRequestError: it does not.
+    """
+    if call.fn_payload and hashlib.sha256(call.fn_payload).hexdigest() != call.fn_digest:
+        raise InvalidRequestError(f"closure {call.closure_id}: function digest does not match its payload")
+
+
 def _to_host(value: Any) -> Any:
     return jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, value)
 
@@ -93,16 +123,11 @@ class WorkerServicer:
 
     # --------------------------------------------------------------- configure
     def configure(self, req: worker_pb2.ConfigureRequest, context: grpc.ServicerContext) -> worker_pb2.ConfigureResponse:
-        try:
-            cluster = json.loads(req.cluster_json or "{}")
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"cluster_json is not JSON: {e}") from None
-        if not isinstance(cluster, dict) or not isinstance(cluster.get("ps", []), list):
-            raise InvalidRequestError("cluster_json must be an object with a 'ps' list")
+        ps_addresses = _ps_addresses(req.cluster_json)  # checked before anything changes
         with self._config_lock, self._run_lock:
             if req.cluster_json != self._cluster_json:
                 old = self._conns
-                self._conns = PSConnections(cluster.get("ps", []), self.credentials)
+                self._conns = PSConnections(ps_addresses, self.credentials)
                 self._cluster_json = req.cluster_json
                 if old is not None:
                     old.close()
@@ -123,6 +148,8 @@ class WorkerServicer:
             raise WorkerRestartedError(f"worker:{self.task_index} restarted (incarnation {self.incarnation[:8]})")
         if not self._cluster_json:
             raise WorkerRestartedError(f"worker:{self.task_index} is not configured yet")
+        for call in req.calls:  # a batch refused for one call runs none, and is not counted
+            _check_digest(call)
         resp = worker_pb2.RunResponse(incarnation=self.incarnation)
         with self._run_lock:
             self.stats["bytes_in"] += req.ByteSize()
@@ -143,9 +170,7 @@ class WorkerServicer:
             return fn
         if not call.fn_payload:
             return None
-        if hashlib.sha256(call.fn_payload).hexdigest() != call.fn_digest:
-            raise InvalidRequestError("function digest does not match its payload")
-        fn = cloudpickle.loads(call.fn_payload)
+        fn = cloudpickle.loads(call.fn_payload)  # the digest was checked by run_closures
         if len(self._functions) >= _FUNCTION_CACHE_SIZE:
             self._functions.pop(next(iter(self._functions)))
         self._functions[call.fn_digest] = fn
@@ -155,8 +180,6 @@ class WorkerServicer:
     def _run_one(self, call: worker_pb2.ClosureCall, result: worker_pb2.ClosureResult) -> None:
         try:
             fn = self._function(call)
-        except InvalidRequestError:
-            raise
         except Exception as e:  # noqa: BLE001 - a function that fails to unpickle is the closure's error
             self._set_error(result, e)
             return

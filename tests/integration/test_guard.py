@@ -141,3 +141,32 @@ def test_every_client_uses_the_base_and_maps_errors_nowhere_else() -> None:
                         "error_from_rpc", "error_from_status"):
                     offenders.append(f"{rel}:{node.lineno}")
     assert not offenders, f"map errors with ServiceClient.error/status_error instead: {offenders}"
+
+
+@pytest.mark.parametrize("case", ["not_found", "bug"])
+@pytest.mark.parametrize("after_frames", [0, 2])
+def test_a_streamed_response_that_fails_gets_its_typed_status(case: str, after_frames: int) -> None:
+    """Issue 19: an exception while a server stream (Pull) is being sent, before its first frame or
+    after some, is answered with its typed status (INTERNAL for a bug), never gRPC's UNKNOWN
+    "Exception iterating responses"."""
+    from jaxdist.transport.handlers import stream_out_handler
+
+    def fn(request: common_pb2.Empty, context: grpc.ServicerContext) -> Iterator[bytes]:
+        for _ in range(after_frames):
+            yield b"frame"
+        RAISED[case]()
+
+    server = Server(credentials=CREDS)
+    server.add_service("test.Streamed", {"Out": stream_out_handler("Out", common_pb2.Empty.FromString, fn)})
+    server.start()
+    try:
+        with grpc.insecure_channel(server.address) as ch:
+            call = ch.unary_stream("/test.Streamed/Out")
+            frames = []
+            with pytest.raises(grpc.RpcError) as err:
+                for frame in call(b"", metadata=CREDS.metadata, timeout=10):
+                    frames.append(frame)
+            assert frames == [b"frame"] * after_frames
+            assert err.value.code() == EXPECTED[case][1], err.value  # type: ignore[attr-defined]
+    finally:
+        server.stop(grace=None)

@@ -244,3 +244,125 @@ def test_apply_gradient_and_apply_gradients_send_the_same_bytes(sharded: bool, g
     half = len(rec.sent) // 2
     assert rec.sent[:half] == rec.sent[half:]
     assert codec.canonical_dtype(grad_dtype) == grad_dtype
+
+
+# ------------------------------------------------------------------ hostile input (issue 19)
+def _restore_request(shape: tuple[int, ...], pieces: list[tuple[int, int, int]], name: str = "v") -> ps_pb2.RestoreRequest:
+    req = ps_pb2.RestoreRequest(directory="/ckpt")
+    e = req.entries.add(name=name)
+    codec.spec_to_proto(shape, np.float32, e.spec)
+    for start, stop, dst in pieces:
+        e.pieces.add(file="f.npz", source="src", src_start=start, src_stop=stop, dst_start=dst)
+    return req
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    ((4, 2), [(0, 4, 0)]),
+    ((4, 2), [(2, 4, 2), (0, 2, 0)]),        # in any order
+    ((4, 2), [(5, 6, 3), (0, 3, 0)]),        # from other rows of the source
+    ((0, 2), []),                            # no rows, no pieces
+    ((), [(0, 0, 0)]),                       # a scalar: one piece, the whole array
+])
+def test_restore_pieces_that_tile_the_rows_decode(shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> None:
+    directory, [entry] = ps_wire.decode_restore(_restore_request(shape, pieces), 1 << 20)
+    assert directory == "/ckpt" and entry.shape == shape and len(entry.pieces) == len(pieces)
+
+
+@pytest.mark.parametrize("shape, pieces", [
+    ((4, 2), [(0, 2, 0), (0, 2, 0)]),        # rows 0-1 twice, 2-3 never
+    ((4, 2), [(0, 2, 0), (0, 2, 1)]),        # overlap by one row
+    ((4, 2), [(0, 2, 0), (0, 1, 3)]),        # row 2 never written
+    ((4, 2), [(0, 3, 0)]),                   # too few rows
+    ((4, 2), [(0, 5, 0)]),                   # too many
+    ((4, 2), [(0, 4, -2)]),                  # negative destination
+    ((4, 2), [(2, 2, 0), (0, 4, 0)]),        # an empty piece
+    ((4, 2), [(3, 1, 0)]),                   # reversed
+    ((4, 2), [(-1, 3, 0)]),                  # negative source
+    ((4, 2), []),                            # rows but no pieces
+    ((), []),                                # a scalar without its piece
+    ((), [(0, 0, 0), (0, 0, 0)]),            # a scalar from two pieces
+])
+def test_restore_pieces_that_do_not_tile_the_rows_are_invalid(shape: tuple[int, ...], pieces: list[tuple[int, int, int]]) -> None:
+    with pytest.raises(InvalidRequestError):
+        ps_wire.decode_restore(_restore_request(shape, pieces), 1 << 20)
+
+
+@pytest.mark.parametrize("directory, file_name", [
+    ("", "f.npz"), ("/d", ""), ("/d", "."), ("/d", ".."), ("/d", "a/b"), ("/d", "a\0b"), ("/d\0", "f.npz"),
+    ("/d", "x" * (ps_wire.MAX_FILE_NAME_BYTES + 1)), ("/d", "é" * (ps_wire.MAX_FILE_NAME_BYTES // 2 + 1)),
+])
+def test_save_needs_a_directory_and_a_plain_file_name(directory: str, file_name: str) -> None:
+    with pytest.raises(InvalidRequestError):
+        ps_wire.decode_save(ps_pb2.SaveRequest(directory=directory, file_name=file_name))
+
+
+def test_save_request_decodes() -> None:
+    assert ps_wire.decode_save(ps_pb2.SaveRequest(directory="/d", file_name="ps-0.npz")) == ("/d", "ps-0.npz")
+
+
+def _spec(shape: list[int], dtype: Any = np.float32) -> Any:
+    s = codec.spec_to_proto((), dtype)
+    s.shape.extend(shape)
+    return s
+
+
+@pytest.mark.parametrize("shape", [[0, 2**62, 2**62], [2**63 - 1, 0], [2**40, 0, 2**40], [0, 2**61]])
+def test_empty_shapes_with_dims_no_array_can_have_are_invalid(shape: list[int]) -> None:
+    with pytest.raises(InvalidRequestError):
+        codec.spec_from_proto(_spec(shape), 1 << 20)
+    with pytest.raises(InvalidRequestError):
+        codec.spec_from_proto(_spec(shape))
+
+
+def test_shapes_of_large_or_empty_tensors() -> None:
+    from jaxdist.errors import PayloadTooLargeError
+
+    assert codec.spec_from_proto(_spec([0, 2**40]), 1 << 20) == ((0, 2**40), np.dtype(np.float32))
+    for shape in ([2**40], [2**31, 2**31], [2**62, 4]):
+        with pytest.raises(PayloadTooLargeError):
+            codec.spec_from_proto(_spec(shape), 1 << 20)
+    with pytest.raises(PayloadTooLargeError):  # no limit given: still no array of 2**64 bytes
+        codec.spec_from_proto(_spec([2**62, 4]))
+
+
+def _push_header(**entry: Any) -> ps_pb2.PushHeader:
+    header = ps_pb2.PushHeader()
+    value = entry.pop("value", None)
+    e = header.entries.add(**entry)
+    if value is not None:
+        codec.spec_to_proto(value, np.float32, e.value)
+        e.has_value = True
+    return header
+
+
+@pytest.mark.parametrize("entry", [
+    dict(name="x", op=ps_pb2.CREATE, value=(2,), if_exists=7),
+    dict(name="x", op=ps_pb2.CREATE, value=(2,), if_exists=-1),
+    dict(name="", op=ps_pb2.CREATE, value=(2,)),
+    dict(name="x", op=ps_pb2.CREATE),
+    dict(name="x", op=ps_pb2.CREATE, initializer=b"init"),
+    dict(name="x", op=99, value=(2,)),
+    dict(name="x", op=ps_pb2.ASSIGN),
+    dict(name="x", op=ps_pb2.SCATTER_ADD, value=(1, 2)),
+], ids=["if_exists=7", "if_exists=-1", "create-no-name", "create-from-nothing", "initializer-without-shape",
+        "unknown-op", "assign-without-value", "scatter-without-indices"])
+def test_malformed_push_headers_are_refused_before_any_payload(entry: dict[str, Any]) -> None:
+    with pytest.raises(InvalidRequestError):
+        ps_wire.push_payload_specs(_push_header(**entry), 1 << 20)
+
+
+def test_a_create_may_not_name_a_variable_twice() -> None:
+    header, _ = ps_wire.encode_create([CreateSpec("a", value=np.ones(2, np.float32)), CreateSpec("a", value=np.ones(2, np.float32))])
+    with pytest.raises(InvalidRequestError):
+        ps_wire.push_payload_specs(header, 1 << 20)
+
+
+def test_error_details_are_cut_to_fit_grpc_metadata() -> None:
+    from jaxdist.errors import VariableNotFoundError
+    from jaxdist.proto import status
+
+    short = VariableNotFoundError("no variable named 'v'")
+    assert status.details(short) == "no variable named 'v'"
+    for text in ("n" * 20_000, "é" * 20_000, "\U0001f600" * 20_000):
+        cut = status.details(VariableNotFoundError(f"no variable named {text!r}"))
+        assert len(cut.encode()) <= status.MAX_DETAILS_BYTES and cut.endswith("more bytes]")

@@ -213,3 +213,51 @@ def test_scatter_ops() -> None:
     assert s.read("v").tolist() == [[0, 0], [9, 9], [4, 4], [7, 7]]
     assert s.read("v", np.array([3, 1])).tolist() == [[7, 7], [9, 9]]
     jax.block_until_ready(jax.numpy.zeros(1))
+
+
+def test_create_many_is_all_or_none() -> None:
+    """A batch with one bad entry (taken name, failing initializer, empty or repeated name)
+    creates none of its entries; KEEP and REPLACE behave as in a single create."""
+    from jaxdist.ps_server.store import NewVariable
+
+    s = VariableStore()
+    s.create("taken", value=f32(1))
+    bad = [
+        ([NewVariable("a", value=f32(1)), NewVariable("taken", value=f32(2))], VariableExistsError),
+        ([NewVariable("a", value=f32(1)), NewVariable("b", shape=(2,), dtype=np.float32, initializer=lambda *a: 1 / 0)],
+         InvalidRequestError),
+        ([NewVariable("a", value=f32(1)), NewVariable("", value=f32(1))], InvalidRequestError),
+        ([NewVariable("a", value=f32(1)), NewVariable("a", value=f32(2))], InvalidRequestError),
+        ([NewVariable("a", value=f32(1)), NewVariable("b")], InvalidRequestError),
+    ]
+    for news, exc in bad:
+        with pytest.raises(exc):
+            s.create_many(news)
+        assert [i.name for i in s.info()] == ["taken"]
+    versions = s.create_many([NewVariable("a", value=f32(5)), NewVariable("taken", value=f32(9), if_exists=IfExists.KEEP)])
+    assert versions == [1, 1] and np.array_equal(s.read("taken"), f32(1))
+    s.create_many([NewVariable("taken", value=f32(9), if_exists=IfExists.REPLACE)])
+    assert np.array_equal(s.read("taken"), f32(9))
+
+
+def test_bfloat16_variables_restore_from_their_checkpoint(tmp_path: object) -> None:
+    """``.npy`` stores bfloat16 as raw ``|V2``; Restore reads it back as bfloat16 (it failed to cast)."""
+    import ml_dtypes
+
+    from jaxdist.proto import codec, ps_pb2
+    from jaxdist.ps_server import save_restore
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    s = VariableStore()
+    s.create("w", value=np.arange(6, dtype=np.float32).reshape(3, 2).astype(bf16))
+    s.create("c", value=np.array(1.5, bf16))
+    save_restore.save(s, ps_pb2.SaveRequest(directory=str(tmp_path), file_name="ps-0.npz"))
+    req = ps_pb2.RestoreRequest(directory=str(tmp_path))
+    for name, shape, pieces in (("w", (3, 2), [(2, 3, 2), (0, 2, 0)]), ("c", (), [(0, 0, 0)])):
+        e = req.entries.add(name=name)
+        codec.spec_to_proto(shape, bf16, e.spec)
+        for start, stop, dst in pieces:
+            e.pieces.add(file="ps-0.npz", source=name, src_start=start, src_stop=stop, dst_start=dst)
+    staged = {name: value for name, value, _, _ in save_restore.read_restore(req, 1 << 20, lambda blob, digest: None)}
+    assert staged["w"].dtype == bf16 and np.array_equal(staged["w"], s.read("w"))
+    assert staged["c"].dtype == bf16 and staged["c"] == s.read("c")

@@ -14,6 +14,7 @@ import time
 import grpc
 
 from jaxdist.base import errors as E
+from jaxdist.proto import status
 
 __all__ = [
     "ENV_DATA_PLANE",
@@ -153,7 +154,7 @@ def response_envelope(code: grpc.StatusCode, reason: bytes, body: bytes, payload
 
 def error_response(exc: E.JaxdistError) -> bytes:
     """The response for a typed error: its status code and reason, its text as the body, no payload."""
-    return response_envelope(exc.code, exc.reason.encode(), (str(exc) or type(exc).__name__).encode(), 0)
+    return response_envelope(exc.code, exc.reason.encode(), status.details(exc).encode(errors="replace"), 0)
 
 
 def shutdown(sock: socket.socket) -> None:
