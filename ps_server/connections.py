@@ -27,8 +27,15 @@ class PSConnections:
         self.credentials = credentials
         self.clients = [PSClient(a, credentials, task=f"ps:{i}") for i, a in enumerate(self.addresses)]
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, len(self.clients)), thread_name_prefix="jaxdist-ps-io")
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
+        """Close every client; later calls raise :class:`ConfigurationError`. Idempotent."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
@@ -41,6 +48,11 @@ class PSConnections:
         old.close()  # calls still in flight on it fail as unavailable and are retried
 
     def client(self, ps_index: int) -> PSClient:
+        if self._closed:
+            raise ConfigurationError(
+                "the PS connections are closed: the strategy was closed, or its ClusterCoordinator shut the "
+                "cluster down (shutdown(exit_tasks=False) keeps them open)"
+            )
         try:
             return self.clients[ps_index]
         except IndexError:

@@ -521,5 +521,7 @@ def test_primary_stopped_fails_over_to_its_backup() -> None:
             poll_for(lambda: replicas.status(0)[1], 30, what="ps:0 attached as the new backup")
             assert replicas.pairs[0] == [cluster.address("ps_backup:0"), cluster.address("ps:0")]
             coord.schedule(lambda: counter.assign_add(1) and None).fetch(timeout=30)
-        assert int(counter.numpy()) == 41
-        strategy.close()
+            assert int(counter.numpy()) == 41
+        # The coordinator told every task to exit and closed the strategy's connections.
+        with pytest.raises(jaxdist.errors.ConfigurationError, match="closed"):
+            counter.numpy()
