@@ -19,7 +19,7 @@ import pytest
 from conftest import poll_for
 
 import jaxdist
-from jaxdist.errors import ConfigurationError, JaxdistError, OutOfRangeError
+from jaxdist.errors import ConfigurationError, JaxdistError, OutOfRangeError, UpdateMismatchError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -90,6 +90,69 @@ def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str
             assert helper == 1, f"a push from the closure's helper {kind} landed {helper} times after one re-run (exactly once: 1)"
         else:
             assert helper == 0, f"the helper's push was refused ({refused!r}) but landed {helper} times"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_helper_thread_pushes_are_exact_under_sigkill_chaos() -> None:
+    """Item 8 as the issue measured it: closures each pushing +1 from a ``threading.Thread``, +1 from a
+    ``ThreadPoolExecutor`` call and +1 from their own thread while a random worker is SIGKILLed and
+    restarted every ~1 s: every counter ends at exactly the number of closures."""
+    with jaxdist.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            counts = [jaxdist.create_variable(np.zeros((), np.int64), name=f"count_{k}") for k in ("thread", "executor", "own")]
+        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
+        one = np.ones((), np.int64)
+
+        def add_one(i: int) -> int:
+            _start_helper("thread", lambda: counts[0].assign_add(one))
+            _start_helper("executor", lambda: counts[1].assign_add(one))
+            counts[2].assign_add(one)
+            time.sleep(0.01)  # seconds of work on 3 workers, so chaos gets several kills in
+            return i
+
+        n = 600
+        with cluster.chaos(every=1.0, downtime=0.3, seed=11) as chaos:
+            rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
+            coord.join()
+        got = [int(c.numpy()) for c in counts]
+        coord.shutdown(exit_tasks=False)
+        assert chaos.kills >= 2, f"only {chaos.kills} kills happened; the run was too fast to test anything"
+        assert sorted(rv.fetch() for rv in rvs) == list(range(n))
+        assert got == [n, n, n], f"thread, executor and own-thread counters after {n} closures and {chaos.kills} kills: {got}"
+
+
+@pytest.mark.slow
+def test_a_rerun_that_pushes_another_variable_at_a_position_is_a_typed_error() -> None:
+    """A push's identity is its position in the closure: a re-run that takes another path (here: which
+    variable depends on the worker) pushes another variable at position 1. It must not be dropped as a
+    duplicate of the first attempt's push: the closure fails with UpdateMismatchError, nothing applied."""
+    with jaxdist.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            per_worker = [jaxdist.create_variable(np.zeros((), np.int64), name=f"w{i}") for i in range(2)]
+            first_worker = jaxdist.create_variable(np.zeros((), np.int64), name="first_worker")  # 1 + index
+            release = jaxdist.create_variable(np.zeros((), np.int64), name="release")
+        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
+
+        def step() -> None:
+            w = jaxdist.current_worker_index()
+            per_worker[w].assign_add(np.ones((), np.int64))  # push 1: its variable depends on the path taken
+            first_worker.assign(np.asarray(w + 1, np.int64))
+            while int(release.numpy()) == 0:
+                time.sleep(0.05)
+
+        rv = coord.schedule(step)
+        poll_for(lambda: int(first_worker.numpy()) != 0, 120, what="the closure's first attempt to push")
+        victim = int(first_worker.numpy()) - 1
+        cluster.kill(f"worker:{victim}")
+        release.assign(np.ones((), np.int64))
+        with pytest.raises(UpdateMismatchError):
+            rv.fetch()
+        values = [int(v.numpy()) for v in per_worker]
+        coord.shutdown(exit_tasks=False)
+        assert values[victim] == 1 and values[1 - victim] == 0, values
 
 
 @pytest.mark.slow
