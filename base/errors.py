@@ -204,10 +204,11 @@ class UnidentifiedPushError(ConfigurationError):
 
     Exactly-once updates need every push made by a closure to have a position
     that a re-run of the closure repeats. A push from a thread jaxdist cannot
-    place (one started by other means than ``threading.Thread`` or a
-    ``concurrent.futures.ThreadPoolExecutor`` inside the closure, or sharing
-    another thread's context through ``contextvars.copy_context().run``) would
-    be applied again when the closure is re-run, so it is refused instead.
+    place (one started inside the closure by other means than
+    ``threading.Thread`` or a ``concurrent.futures.ThreadPoolExecutor``: with
+    no context, or entering a copy of the closure's through
+    ``contextvars.copy_context().run``) could be applied again when the
+    closure is re-run, so it is refused instead.
     """
 
     reason = "PUSH_WITHOUT_IDENTITY"

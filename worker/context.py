@@ -20,11 +20,13 @@ that starts its threads from the same lines in the same order gives them the
 same identities, whatever the scheduling, so their pushes are deduplicated
 like the closure's own. Outside closures threads start as before.
 
-A push made on a worker that still has no identity of its own (a thread
-started by other means, or one that shares a context via
-``contextvars.copy_context().run``, whose pushes have no fixed position) is
-refused with :class:`~jaxdist.base.errors.UnidentifiedPushError` before
-anything is sent, never sent as an at-least-once push.
+Such a thread keeps its identity when it switches to a copy of the closure's
+context (``contextvars.copy_context().run``, as ``asyncio.to_thread`` does).
+A push made on a worker from a thread without an identity of its own (one
+started by other means, with no context or sharing another thread's through
+``copy_context().run``: its pushes have no fixed position) is refused with
+:class:`~jaxdist.base.errors.UnidentifiedPushError` before anything is sent,
+never sent as an at-least-once push.
 """
 
 from __future__ import annotations
@@ -61,6 +63,18 @@ __all__ = [
 
 _T = TypeVar("_T")
 
+_SHARED = (
+    "a push from a thread that shares the closure's context (contextvars.copy_context().run) without an identity "
+    "of its own has no fixed position among the closure's pushes, so a re-run could apply it twice: start the "
+    "thread with threading.Thread or a concurrent.futures.ThreadPoolExecutor inside the closure (each gets an "
+    "identity of its own), or push from the closure's thread"
+)
+_NONE = (
+    "a push on a worker from a thread without the closure's identity: it could be applied twice if the closure "
+    "is re-run. Start helper threads inside the closure with threading.Thread or a "
+    "concurrent.futures.ThreadPoolExecutor (they inherit the closure's identity), or push from the closure's thread"
+)
+
 
 class ClosureIdentity:
     """The identities of the pushes one thread of a closure attempt makes: ``prefix/1``, ``prefix/2``, ...
@@ -91,19 +105,18 @@ class ClosureIdentity:
         """Make the calling thread the owner (a child identity, in the thread or call it was made for)."""
         self._owner = threading.get_ident()
 
+    def owned_by_caller(self) -> bool:
+        """Whether the calling thread is the one whose pushes these identities are."""
+        return threading.get_ident() == self._owner
+
     def next_update_id(self) -> str:
         """The next identity ``prefix/<n>``.
 
         Raises:
             UnidentifiedPushError: called from another thread than the owner.
         """
-        if threading.get_ident() != self._owner:
-            raise UnidentifiedPushError(
-                "a push from a thread that shares the closure's context (contextvars.copy_context().run) has no "
-                "fixed position among the closure's pushes, so a re-run could apply it twice: start the thread "
-                "with threading.Thread or a concurrent.futures.ThreadPoolExecutor inside the closure (each gets "
-                "an identity of its own), or push from the closure's thread"
-            )
+        if not self.owned_by_caller():
+            raise UnidentifiedPushError(_SHARED)
         with self._lock:
             self._seq += 1
             return f"{self.prefix}/{self._seq}"
@@ -200,25 +213,32 @@ def current_ps() -> PSConnections:
 def next_update_id(own_connections: bool = True) -> str:
     """The next push identity of the running closure's thread; "" for a push that carries none.
 
+    The identity is the context's, if it belongs to this thread; else the one
+    this thread got when the closure started it (it may have switched to a
+    copy of the closure's context since).
+
     Args:
         own_connections: whether the pushed variables have connections of
             their own (the coordinator's handles); False for handles that
             push through the task's connections (a worker's).
 
     Raises:
-        UnidentifiedPushError: a worker-side push (``own_connections`` False)
-            from a thread without an identity of its own, or sharing another
-            thread's: it cannot be deduplicated, so it is not sent.
+        UnidentifiedPushError: a push inside a closure's context from a thread
+            without an identity of its own, or a worker-side push
+            (``own_connections`` False) from a thread with none: it cannot be
+            deduplicated, so it is not sent.
     """
     ctx = _current.get()
-    if ctx is not None and ctx.identity is not None:
-        return ctx.identity.next_update_id()
+    shared = ctx.identity if ctx is not None else None
+    if shared is not None and shared.owned_by_caller():
+        return shared.next_update_id()
+    own: ClosureIdentity | None = getattr(_thread_identity, "identity", None)
+    if own is not None:
+        return own.next_update_id()
+    if shared is not None:
+        raise UnidentifiedPushError(_SHARED)
     if not own_connections:
-        raise UnidentifiedPushError(
-            "a push on a worker from a thread without the closure's identity: it could be applied twice if the "
-            "closure is re-run. Start helper threads inside the closure with threading.Thread or a "
-            "concurrent.futures.ThreadPoolExecutor (they inherit the closure's identity), or push from the closure's thread"
-        )
+        raise UnidentifiedPushError(_NONE)
     return ""
 
 
@@ -227,6 +247,8 @@ _inherit_lock = threading.Lock()
 _inheriting = False
 #: Set while ThreadPoolExecutor.submit runs: the pool's own threads started there carry no closure context.
 _in_submit = threading.local()
+#: The identity a thread (or executor call) got when a closure started it, whatever context it runs in.
+_thread_identity = threading.local()
 
 
 def _site(frame: FrameType | None) -> str:
@@ -239,11 +261,16 @@ def _site(frame: FrameType | None) -> str:
 
 
 def _run_as(ctx: TaskContext, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
-    """Run ``fn`` in ``ctx``, whose identity becomes the calling thread's."""
+    """Run ``fn`` in ``ctx``, whose identity becomes the calling thread's (for the call)."""
     assert ctx.identity is not None
     ctx.identity.bind()
-    with use(ctx):
-        return fn(*args, **kwargs)
+    outer = getattr(_thread_identity, "identity", None)
+    _thread_identity.identity = ctx.identity
+    try:
+        with use(ctx):
+            return fn(*args, **kwargs)
+    finally:
+        _thread_identity.identity = outer
 
 
 def _closure_context() -> TaskContext | None:

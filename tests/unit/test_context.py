@@ -6,6 +6,8 @@ and records the update ids their pushes would carry.
 
 from __future__ import annotations
 
+import _thread
+import asyncio
 import concurrent.futures
 import contextvars
 import threading
@@ -93,24 +95,40 @@ def test_executor_calls_carry_identities_in_submit_order_and_its_threads_none() 
             pool.submit(wctx.next_update_id, own_connections=False).result()
 
 
-def test_a_thread_sharing_the_closures_context_is_refused() -> None:
-    """``contextvars.copy_context().run`` shares the closure's sequence: the push's position would depend
-    on scheduling, so it is refused."""
+def test_a_started_thread_keeps_its_identity_in_a_copy_of_the_closures_context() -> None:
+    """``asyncio.to_thread`` and ``Thread(target=contextvars.copy_context().run, ...)`` run in a copy of
+    the closure's context: the thread still pushes with the identity it got when it was started."""
+
+    def body(ids: list[str]) -> None:
+        ctx = contextvars.copy_context()
+        t = threading.Thread(target=ctx.run, args=(_push, ids))
+        t.start()
+        t.join()
+        asyncio.run(asyncio.to_thread(_push, ids))
+
+    first = _attempt(body)
+    assert first == _attempt(body) and len(set(first)) == 2 and "run/7/1" not in first
+
+
+def test_a_thread_sharing_the_closures_context_without_its_own_identity_is_refused() -> None:
+    """A thread started by other means that enters a copy of the closure's context would share its
+    sequence: the push's position would depend on scheduling, so it is refused."""
     errors: list[BaseException] = []
 
     def body(ids: list[str]) -> None:
         ctx = contextvars.copy_context()
+        done = threading.Event()
 
         def shared() -> None:
             try:
                 _push(ids)
             except UnidentifiedPushError as e:
                 errors.append(e)
+            finally:
+                done.set()
 
-        # start() gives the thread an identity of its own, but ctx.run then switches to the shared one.
-        t = threading.Thread(target=ctx.run, args=(shared,))
-        t.start()
-        t.join()
+        _thread.start_new_thread(ctx.run, (shared,))
+        assert done.wait(10)
 
     assert _attempt(body) == [] and len(errors) == 1 and errors[0].code.name == "FAILED_PRECONDITION"
 
