@@ -168,19 +168,21 @@ class Checkpoint:
     def save(self, path: str) -> str:
         """Write a checkpoint directory at ``path`` (must not exist); returns ``path``.
 
-        A PS that restarted empty (its variables missing) while checkpoint-mode
-        PS recovery is on (``coordinator.enable_ps_recovery``) is being
-        restored: the save waits for the restore (up to the recovery's
-        timeout) and then saves the restored values.
+        While checkpoint-mode PS recovery is on (``coordinator.enable_ps_recovery``),
+        a PS that is down, or restarted empty (its variables missing), is being
+        recovered: the save waits until every PS holds its variables again (up
+        to the recovery's timeout) and then saves them (the restored values).
 
         Raises:
-            PSUnavailableError: a PS cannot be reached, or holds none of its
-                variables (restarted empty) and no recovery restores it in
-                time: retry once the PS is back and restored.
+            PSUnavailableError: a PS cannot be reached, or restarted empty, and
+                no recovery brings it back in time (or none is on, or it
+                failed): retry once the PS is back and restored.
         """
         if sync_ckpt.is_sync_strategy(self.strategy):  # Mirrored, TPU, ..., default: same format, own writer
             return sync_ckpt.save(self, path)
         deadline: float | None = None
+        started = self._pausing()
+        failures = started.ps_recovery_failures if started is not None else 0  # a recovery failing from now on ends the wait
         while True:
             coordinator = self._pausing()
             timeout = coordinator.ps_recovery_timeout if coordinator is not None else None
@@ -205,7 +207,8 @@ class Checkpoint:
                 raise PSUnavailableError(f"ps:{first} was not restored in time for the checkpoint; retry the save",
                                          task=f"ps:{first}")
             logger.info("save of %s waits for the PS recovery of %s", path, sorted(f"ps:{i}" for i in missing))
-            self._wait_restored(missing, deadline)
+            assert coordinator is not None
+            self._wait_restored(missing, deadline, coordinator, failures)
 
     def _placement(self) -> dict[int, set[str]]:
         """The shard names every PS task should hold."""
@@ -215,15 +218,20 @@ class Checkpoint:
                 where[shard.ps_index].add(shard.name)
         return dict(where)
 
-    def _wait_restored(self, missing: dict[int, set[str]], deadline: float) -> None:
-        """Wait until every PS of ``missing`` holds the variables named there (the recovery restored them).
+    def _wait_restored(self, missing: dict[int, set[str]], deadline: float, coordinator: ClusterCoordinator, failures: int) -> None:
+        """Wait until every PS of ``missing`` holds the variables named there (``coordinator``'s recovery
+        restored them).
 
         Raises:
-            PSUnavailableError: not by ``deadline``.
+            PSUnavailableError: not by ``deadline``, or a recovery failed (more than ``failures`` so far).
         """
         clients = self._ps_strategy().connections.clients
         pending = dict(missing)
         while pending:
+            if coordinator.ps_recovery_failures != failures:
+                first = min(pending)
+                raise PSUnavailableError(f"the recovery of a PS failed (the job fails with its error): ps:{first} "
+                                         "cannot be saved", task=f"ps:{first}")
             for i in list(pending):
                 try:
                     present = {v.name for v in clients[i].list_variables(timeout=max(1.0, _RECOVERY_POLL_S * 5))}

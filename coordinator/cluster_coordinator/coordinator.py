@@ -409,6 +409,12 @@ class ClusterCoordinator:
         return self._ps_recovery_timeout
 
     @property
+    def ps_recovery_failures(self) -> int:
+        """PS restores that failed (each failed the job with its error; checkpoint-mode recovery)."""
+        watcher = self._cluster.ps_watcher
+        return watcher.failed_recoveries if watcher is not None else 0
+
+    @property
     def ps_recoveries(self) -> int:
         """PS tasks restored from a checkpoint after a restart (checkpoint-mode recovery)."""
         watcher = self._cluster.ps_watcher

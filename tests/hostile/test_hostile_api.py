@@ -272,6 +272,26 @@ def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(tmp_path: Any,
         assert np.array_equal(jaxdist.checkpoint.load(again)["variables"]["b"], np.full(3, 2.0, np.float32))
 
 
+@pytest.mark.slow
+def test_checkpoint_save_of_a_ps_restarted_empty_without_recovery_is_a_retryable_error(tmp_path: Any) -> None:
+    """Item 9, without PS recovery: nothing will restore the PS, so the save fails, with
+    PSUnavailableError (UNAVAILABLE: retry once the PS is restored), not a ConfigurationError; and
+    nothing is left in the checkpoint directory."""
+    with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            jaxdist.create_variable(np.full(3, 1.0, np.float32), name="a")
+        coord = jaxdist.ClusterCoordinator(strategy)
+        manager = jaxdist.CheckpointManager(jaxdist.Checkpoint(strategy), str(tmp_path / "ckpt"))
+        cluster.kill("ps:0")
+        cluster.restart("ps:0")
+        with pytest.raises(jaxdist.errors.PSUnavailableError) as e:
+            manager.save(1)
+        coord.shutdown(exit_tasks=False)
+        assert not isinstance(e.value, ConfigurationError) and e.value.code.name == "UNAVAILABLE"
+        assert os.listdir(tmp_path / "ckpt") == [] and manager.latest_checkpoint is None
+
+
 def test_local_cluster_creates_a_missing_log_dir(tmp_path: Any) -> None:
     """Item 9: ``LocalCluster(log_dir=...)`` does not create a missing folder."""
     log_dir = tmp_path / "not" / "yet"
