@@ -293,8 +293,9 @@ def inherit_in_threads() -> None:
         if _inheriting:
             return
         _inheriting = True
-        start = threading.Thread.start
-        submit = concurrent.futures.ThreadPoolExecutor.submit
+        # Typed loosely: they are wrapped and replaced, whatever their exact stub signatures.
+        start: Callable[..., None] = threading.Thread.start
+        submit: Callable[..., concurrent.futures.Future[Any]] = concurrent.futures.ThreadPoolExecutor.submit
 
         @functools.wraps(start)
         def start_in_context(self: threading.Thread) -> None:
@@ -318,8 +319,8 @@ def inherit_in_threads() -> None:
             finally:
                 _in_submit.active = outer
 
-        threading.Thread.start = start_in_context  # type: ignore[method-assign]
-        concurrent.futures.ThreadPoolExecutor.submit = submit_in_context  # type: ignore[method-assign]
+        setattr(threading.Thread, "start", start_in_context)  # noqa: B010 - a method replaced on purpose
+        setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit_in_context)  # noqa: B010
 
 
 def current_worker_index() -> int:
