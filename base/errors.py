@@ -31,6 +31,8 @@ __all__ = [
     "StaleFunctionError",
     "OutOfRangeError",
     "WorkerRestartedError",
+    "UnidentifiedPushError",
+    "UpdateMismatchError",
 ]
 
 
@@ -195,3 +197,32 @@ class WorkerRestartedError(JaxdistError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "WORKER_RESTARTED"
+
+
+class UnidentifiedPushError(ConfigurationError):
+    """A push made on a worker that cannot carry an update identity, refused before it is sent.
+
+    Exactly-once updates need every push made by a closure to have a position
+    that a re-run of the closure repeats. A push from a thread jaxdist cannot
+    place (one started inside the closure by other means than
+    ``threading.Thread`` or a ``concurrent.futures.ThreadPoolExecutor``: with
+    no context, or entering a copy of the closure's through
+    ``contextvars.copy_context().run``) could be applied again when the
+    closure is re-run, so it is refused instead.
+    """
+
+    reason = "PUSH_WITHOUT_IDENTITY"
+
+
+class UpdateMismatchError(JaxdistError):
+    """A push repeats an update identity the PS already applied, but to other variables or ops.
+
+    A re-run closure repeats its pushes' identities (its position-th push is
+    the same update); one that took another path pushed something else at
+    that position. The PS refuses it rather than drop it as a duplicate.
+    Closures must push the same variables with the same ops, in the same
+    order, on every attempt.
+    """
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "UPDATE_MISMATCH"

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, PSUnavailableError
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
@@ -66,6 +66,16 @@ __all__ = ["Checkpoint", "CheckpointManager", "latest_checkpoint", "load", "unfl
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+#: Seconds between two looks at a PS being restored, while a save waits for it.
+_RECOVERY_POLL_S = 0.2
+
+
+class _ShardsMissing(Exception):
+    """A save found PS tasks without variables they should hold (restarted empty): ``{ps index: names}``."""
+
+    def __init__(self, missing: dict[int, set[str]]) -> None:
+        super().__init__(", ".join(f"ps:{i}: {sorted(n)}" for i, n in sorted(missing.items())))
+        self.missing = missing
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -156,9 +166,88 @@ class Checkpoint:
 
     # -------------------------------------------------------------------- save
     def save(self, path: str) -> str:
-        """Write a checkpoint directory at ``path`` (must not exist); returns ``path``."""
+        """Write a checkpoint directory at ``path`` (must not exist); returns ``path``.
+
+        While checkpoint-mode PS recovery is on (``coordinator.enable_ps_recovery``),
+        a PS that is down, or restarted empty (its variables missing), is being
+        recovered: the save waits until every PS holds its variables again (up
+        to the recovery's timeout) and then saves them (the restored values).
+
+        Raises:
+            PSUnavailableError: a PS cannot be reached, or restarted empty, and
+                no recovery brings it back in time (or none is on, or it
+                failed): retry once the PS is back and restored.
+        """
         if sync_ckpt.is_sync_strategy(self.strategy):  # Mirrored, TPU, ..., default: same format, own writer
             return sync_ckpt.save(self, path)
+        deadline: float | None = None
+        started = self._pausing()
+        failures = started.ps_recovery_failures if started is not None else 0  # a recovery failing from now on ends the wait
+        while True:
+            coordinator = self._pausing()
+            timeout = coordinator.ps_recovery_timeout if coordinator is not None else None
+            try:
+                return self._save_ps(path)
+            except _ShardsMissing as e:
+                missing = e.missing
+                if timeout is None:
+                    first = min(missing)
+                    raise PSUnavailableError(
+                        f"ps:{first} lacks variables it should hold ({e}): it restarted empty, and no PS recovery "
+                        "restores it (ClusterCoordinator.enable_ps_recovery)", task=f"ps:{first}") from None
+            except PSUnavailableError as e:
+                missing = self._placement()  # a PS is down: wait until every PS is back with its variables
+                if timeout is None or not missing or (deadline is not None and time.monotonic() >= deadline):
+                    raise
+                logger.info("save of %s: %s", path, e)
+            if deadline is None:
+                deadline = time.monotonic() + timeout
+            elif time.monotonic() >= deadline:
+                first = min(missing)
+                raise PSUnavailableError(f"ps:{first} was not restored in time for the checkpoint; retry the save",
+                                         task=f"ps:{first}")
+            logger.info("save of %s waits for the PS recovery of %s", path, sorted(f"ps:{i}" for i in missing))
+            assert coordinator is not None
+            self._wait_restored(missing, deadline, coordinator, failures)
+
+    def _placement(self) -> dict[int, set[str]]:
+        """The shard names every PS task should hold."""
+        where: dict[int, set[str]] = defaultdict(set)
+        for var in self._ps_strategy().variables.values():
+            for shard, _ in var.shards():
+                where[shard.ps_index].add(shard.name)
+        return dict(where)
+
+    def _wait_restored(self, missing: dict[int, set[str]], deadline: float, coordinator: ClusterCoordinator, failures: int) -> None:
+        """Wait until every PS of ``missing`` holds the variables named there (``coordinator``'s recovery
+        restored them).
+
+        Raises:
+            PSUnavailableError: not by ``deadline``, or a recovery failed (more than ``failures`` so far).
+        """
+        clients = self._ps_strategy().connections.clients
+        pending = dict(missing)
+        while pending:
+            if coordinator.ps_recovery_failures != failures:
+                first = min(pending)
+                raise PSUnavailableError(f"the recovery of a PS failed (the job fails with its error): ps:{first} "
+                                         "cannot be saved", task=f"ps:{first}")
+            for i in list(pending):
+                try:
+                    present = {v.name for v in clients[i].list_variables(timeout=max(1.0, _RECOVERY_POLL_S * 5))}
+                except PSUnavailableError:
+                    continue  # down again, or still starting: the recovery handles it
+                if pending[i] <= present:
+                    del pending[i]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                first = min(pending)
+                raise PSUnavailableError(f"ps:{first} was not restored in time for the checkpoint; retry the save",
+                                         task=f"ps:{first}")
+            time.sleep(_RECOVERY_POLL_S)
+
+    def _save_ps(self, path: str) -> str:
         strategy = self._ps_strategy()
         path = os.path.abspath(path)
         if os.path.exists(path):
@@ -176,12 +265,13 @@ class Checkpoint:
             files = {r.file_name: {"sha256": r.sha256, "bytes": r.bytes} for r in results.values()}
             # Keyed by (PS task, name): a PS may still hold a stale variable of the same name.
             where = {(i, sv.name): (r.file_name, sv.optimizer_leaves) for i, r in results.items() for sv in r.variables}
+            missing = {i: {n for n in names if (i, n) not in where} for i, names in self._placement().items()}
+            if any(missing.values()):
+                raise _ShardsMissing({i: names for i, names in missing.items() if names})
             variables = {}
             for name, var in strategy.variables.items():
                 shards = []
                 for shard, row in var.shards():
-                    if (shard.ps_index, shard.name) not in where:
-                        raise ConfigurationError(f"variable {shard.name!r} is missing on ps:{shard.ps_index}; was the PS restarted empty?")
                     file, leaves = where[(shard.ps_index, shard.name)]
                     shards.append({"name": shard.name, "file": file, "row_start": row, "shape": list(shard.shape),
                                    "optimizer_leaves": leaves})

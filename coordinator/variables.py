@@ -6,10 +6,12 @@ on the coordinator, through the connections of the strategy that created it,
 and inside closures on workers, through the worker's connections (its
 :class:`~jaxdist.worker.context.TaskContext`).
 
-Inside a closure, pushes carry an identity (coordinator run, closure id, push
-sequence number): a closure re-executed after a worker failure makes the same
-pushes with the same identities, and each PS applies each identity at most
-once (see the README, "Exactly-once updates").
+Inside a closure, pushes carry an identity (coordinator run, closure id, the
+pushing thread's place among the threads the closure started, push sequence
+number): a closure re-executed after a worker failure makes the same pushes
+with the same identities, and each PS applies each identity at most once (see
+the README, "Exactly-once updates"). A push on a worker that cannot carry an
+identity is refused (:class:`~jaxdist.base.errors.UnidentifiedPushError`).
 """
 
 from __future__ import annotations
@@ -380,10 +382,12 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     for var, op, value, idx in updates:
         op = Op(op)
         by_ps[var.ps_index].append(Update(var.name, op, ps_wire.wire_value(value, var.dtype, op), idx))
-    update_id = next_update_id()
-    _connections_of([var for var, *_ in updates]).fan_out(
-        {ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()}
-    )
+    variables = [var for var, *_ in updates]
+    conns = _connections_of(variables)
+    # Handles without connections of their own push through the worker's: such a push must carry
+    # the closure's identity (or is refused), a coordinator's push carries none.
+    update_id = next_update_id(own_connections=any(v._conns is not None for v in variables))
+    conns.fan_out({ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()})
 
 
 def gradient_updates(var: VariableOps, grad: Any, transfer_dtype: Any = None, broadcast: bool = True) -> list[ShardUpdate]:

@@ -10,7 +10,11 @@ Contract:
   checkpoint) never sees half of it.
 - A push with an ``update_id`` is applied at most once per store: a re-sent or
   re-executed push with the same id is acknowledged as a duplicate and does
-  nothing. The store remembers the last ``dedupe_capacity`` ids.
+  nothing. The store remembers the last ``dedupe_capacity`` ids, each with
+  the digest of the variables and ops it named (:func:`push_digest`): a
+  push that repeats an id with other variables or ops (a re-run closure that
+  took another path) is refused with :class:`UpdateMismatchError`, never
+  dropped silently.
 - Values handed out by :meth:`read` are snapshots: later updates never change
   an array a reader already holds (dense updates build new arrays; in-place
   row updates copy first while a reader holds the array).
@@ -18,6 +22,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 from collections import OrderedDict
@@ -34,16 +39,43 @@ from jaxdist.base.errors import (
     InvalidRequestError,
     PayloadTooLargeError,
     ShapeMismatchError,
+    UpdateMismatchError,
     VariableExistsError,
     VariableNotFoundError,
 )
 from jaxdist.proto.ps_wire import SPARSE_OPS, IfExists, Op, Update, transfer_dtype
 from jaxdist.ps_server.optimizer import Optimizer
 
-__all__ = ["DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore"]
+__all__ = [
+    "DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore",
+    "push_digest",
+]
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_VARIABLE_BYTES = 8 << 30
+
+
+#: Hex characters of a push digest; an entry of :meth:`VariableStore.applied_ids` is ``<digest>:<update id>``.
+_DIGEST_CHARS = 16
+
+
+def push_digest(updates: Sequence[Update]) -> str:
+    """What a push touches, as a short digest: its (variable name, op) pairs, in any order.
+
+    Values and row indices are left out on purpose: a re-run closure computes
+    on fresh parameters, so its update differs in value but not in what it names.
+    """
+    h = hashlib.blake2b(digest_size=_DIGEST_CHARS // 2)
+    for name, op in sorted((u.name, u.op.value) for u in updates):
+        h.update(f"{len(name)}:{name}:{op};".encode())
+    return h.hexdigest()
+
+
+def _split_applied(entry: str) -> tuple[str, str]:
+    """``(update id, digest)`` of an :meth:`VariableStore.applied_ids` entry ("" digest: unknown)."""
+    if len(entry) > _DIGEST_CHARS and entry[_DIGEST_CHARS] == ":":
+        return entry[_DIGEST_CHARS + 1:], entry[:_DIGEST_CHARS]
+    return entry, ""
 
 
 _SCATTER_UFUNC: dict[Op, Callable[..., Any]] = {
@@ -136,7 +168,7 @@ class VariableStore:
         self.max_variable_bytes = max_variable_bytes
         self._vars: dict[str, _Variable] = {}
         self._lock = threading.Lock()  # guards _vars membership and the dedupe tables
-        self._applied: OrderedDict[str, None] = OrderedDict()
+        self._applied: OrderedDict[str, str] = OrderedDict()  # update id -> push_digest of what it named
         self._in_progress: dict[str, threading.Event] = {}
         self._dedupe_capacity = dedupe_capacity
         self.updates_applied = 0
@@ -282,9 +314,10 @@ class VariableStore:
             self._vars[name] = var
 
     def applied_ids(self) -> list[str]:
-        """Update ids applied here (oldest first), for a backup's dedupe table."""
+        """Update ids applied here (oldest first), for a backup's dedupe table: each entry is
+        ``<digest>:<update id>`` (the digest of what the push named, :func:`push_digest`)."""
         with self._lock:
-            return list(self._applied)
+            return [f"{digest}:{uid}" for uid, digest in self._applied.items()]
 
     def replace_all(self, variables: Sequence[tuple[str, np.ndarray, Optimizer | None, Any, int]], applied_ids: Sequence[str]) -> None:
         """Become exactly ``variables`` ``(name, value, optimizer, opt_state, version)``
@@ -296,7 +329,7 @@ class VariableStore:
                                     optimizer=optimizer, opt_state=opt_state, version=version)
         with self._lock:
             self._vars = fresh
-            self._applied = OrderedDict((i, None) for i in applied_ids)
+            self._applied = OrderedDict(_split_applied(i) for i in applied_ids)
 
     def optimizer_of(self, name: str) -> Optimizer | None:
         return self._get(name).optimizer
@@ -374,11 +407,23 @@ class VariableStore:
 
         Validation (names, shapes, dtypes, indices) happens for every entry
         before anything changes, so a bad push changes nothing.
+
+        Raises:
+            UpdateMismatchError: ``update_id`` was applied, but naming other
+                variables or ops (nothing changes).
         """
+        digest = push_digest(updates) if update_id else ""
         if update_id:
             while True:
                 with self._lock:
-                    if update_id in self._applied:
+                    seen = self._applied.get(update_id)
+                    if seen is not None:
+                        if seen and seen != digest:
+                            raise UpdateMismatchError(
+                                f"update {update_id!r} was applied naming other variables or ops than this push "
+                                f"({', '.join(sorted({u.name for u in updates}))}): a re-run closure must push the same "
+                                "variables with the same ops in the same order as its first attempt"
+                            )
                         self.duplicates_dropped += 1
                         return [self._vars[u.name].version if u.name in self._vars else 0 for u in updates], True
                     pending = self._in_progress.get(update_id)
@@ -387,14 +432,14 @@ class VariableStore:
                         break
                 pending.wait()
         try:
-            versions = self._apply_locked(updates, update_id)
+            versions = self._apply_locked(updates, update_id, digest)
         finally:
             if update_id:
                 with self._lock:
                     self._in_progress.pop(update_id).set()
         return versions, False
 
-    def _apply_locked(self, updates: Sequence[Update], update_id: str) -> list[int]:
+    def _apply_locked(self, updates: Sequence[Update], update_id: str, digest: str) -> list[int]:
         with self._lock:
             vars_ = [self._get(u.name) for u in updates]
         prepared = [self._validate(v, u) for v, u in zip(vars_, updates)]
@@ -414,7 +459,7 @@ class VariableStore:
             with self._lock:
                 self.updates_applied += 1
                 if update_id:
-                    self._applied[update_id] = None
+                    self._applied[update_id] = digest
                     while len(self._applied) > self._dedupe_capacity:
                         self._applied.popitem(last=False)
         return versions

@@ -11,10 +11,11 @@ pickle *persistent id* (a small tuple) that the worker resolves against its
 resource table:
 
 - ``("jaxdist-resource", resource_id)``: the resource itself;
-- ``("jaxdist-ledger", resource_id, index)``: batch ``index`` of the resource
-  (an exactly-once dataset, ``ds[index]``), seen by the closure as an
-  iterator yielding that one batch (``index`` None: the data is exhausted,
-  the iterator is empty).
+- ``("jaxdist-ledger", resource_id, index)``: batches of the resource (an
+  exactly-once dataset, ``ds[i]``) assigned to the closure, seen by it as an
+  iterator (:class:`LedgerBatches`) yielding them in order: ``index`` is one
+  batch index, a tuple of them (``steps_per_execution``: one per step), or
+  None (the data is exhausted, the iterator is empty).
 
 A persistent id naming a resource the worker does not hold (it restarted,
 or the resource was never built there) makes :func:`loads` raise
@@ -31,15 +32,17 @@ from __future__ import annotations
 
 import io
 import pickle
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import cloudpickle
 
+from jaxdist.base.errors import ConfigurationError
+
 __all__ = [
     "LEDGER",
     "RESOURCE",
-    "OneBatch",
+    "LedgerBatches",
     "ResourceMissing",
     "WorkerResident",
     "batch_ref",
@@ -61,9 +64,11 @@ def resource_ref(resource_id: int) -> PersistentId:
     return (RESOURCE, resource_id)
 
 
-def batch_ref(resource_id: int, index: int | None) -> PersistentId:
-    """The persistent id of batch ``index`` of resource ``resource_id`` (None: no batch left)."""
-    return (LEDGER, resource_id, index)
+def batch_ref(resource_id: int, index: int | Sequence[int] | None) -> PersistentId:
+    """The persistent id of batch ``index`` (or batches, in order) of resource ``resource_id`` (None: no batch left)."""
+    if index is None or isinstance(index, int):
+        return (LEDGER, resource_id, index)
+    return (LEDGER, resource_id, tuple(int(i) for i in index))
 
 
 class WorkerResident:
@@ -101,23 +106,53 @@ def dumps(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bytes:
     return buf.getvalue()
 
 
-class OneBatch:
-    """The iterator a closure sees for an exactly-once dataset: its one assigned batch."""
+class LedgerBatches:
+    """The iterator a closure sees for an exactly-once dataset: the batches the ledger assigned it.
 
-    __slots__ = ("_dataset", "_index")
+    ``len()`` is the number of batches not taken yet. Once they are taken,
+    ``next`` raises ``StopIteration`` (end of data) if the closure was
+    assigned none (the ledger is exhausted), else :class:`ConfigurationError`:
+    the data is not over, the closure asked for more batches than it was
+    given (one per step; ``steps_per_execution(fn, k)`` gives k).
+    """
 
-    def __init__(self, dataset: Any, index: int | None) -> None:
+    __slots__ = ("_dataset", "_indices", "_next")
+
+    def __init__(self, dataset: Any, indices: Sequence[int]) -> None:
         self._dataset = dataset
-        self._index = index
+        self._indices = tuple(indices)
+        self._next = 0
 
-    def __iter__(self) -> OneBatch:
+    def __iter__(self) -> LedgerBatches:
         return self
 
+    def __len__(self) -> int:
+        return len(self._indices) - self._next
+
     def __next__(self) -> Any:
-        if self._index is None:
-            raise StopIteration
-        index, self._index = self._index, None
+        if self._next >= len(self._indices):
+            if not self._indices:
+                raise StopIteration
+            raise ConfigurationError(
+                f"this closure was given {len(self._indices)} batch(es) of an exactly-once dataset and asked for "
+                "another: each closure gets one batch per step (steps_per_execution(fn, k): k), so every batch "
+                "is trained on exactly once; call next() once per step"
+            )
+        index = self._indices[self._next]
+        self._next += 1
         return self._dataset[index]
+
+
+def _ledger_indices(pid: tuple[Any, ...]) -> tuple[int, ...]:
+    """The batch indices a ledger persistent id names (see :func:`batch_ref`)."""
+    index = pid[2]
+    if index is None:
+        return ()
+    if type(index) is int:
+        return (index,)
+    if type(index) is tuple and all(type(i) is int for i in index):
+        return index
+    raise pickle.UnpicklingError(f"malformed persistent id {pid!r}")
 
 
 class _ArgsUnpickler(pickle.Unpickler):
@@ -136,7 +171,7 @@ class _ArgsUnpickler(pickle.Unpickler):
         if pid[0] == LEDGER:
             if len(pid) != 3:
                 raise pickle.UnpicklingError(f"malformed persistent id {pid!r}")
-            return OneBatch(resource, pid[2])
+            return LedgerBatches(resource, _ledger_indices(pid))
         return resource
 
 

@@ -8,23 +8,42 @@ made. It lives in a :class:`contextvars.ContextVar`, so several tasks can live
 in one process (the in-process test cluster, :mod:`jaxdist.testing`): each
 worker service runs every closure and ``dataset_fn`` inside its own context.
 
-**Threads.** A thread does not inherit a ``ContextVar`` (Python 3.11). A
-thread that a closure starts therefore sees no context of its own; it falls
-back to the context of the process's *only* worker service when exactly one
-lives in the process (the usual case: one ``jaxdist worker`` per process),
-without the closure's identity. To run code in a helper thread with the
-closure's context, start it with ``contextvars.copy_context().run``.
+**Threads.** A thread does not inherit a ``ContextVar`` (Python 3.11). So that
+every push made inside a closure carries an update identity,
+:func:`inherit_in_threads` (installed by every worker service) makes a
+``threading.Thread`` started inside a closure, and each call submitted to a
+``concurrent.futures.ThreadPoolExecutor`` there, run in the closure's context
+with a *child* identity of its own: ``<parent>/<site>.<n>``, where ``site``
+names the line that started it (module, function, line) and ``n`` counts the
+threads started from that line by the parent so far. A re-run of the closure
+that starts its threads from the same lines in the same order gives them the
+same identities, whatever the scheduling, so their pushes are deduplicated
+like the closure's own. Outside closures threads start as before.
+
+Such a thread keeps its identity when it switches to a copy of the closure's
+context (``contextvars.copy_context().run``, as ``asyncio.to_thread`` does).
+A push made on a worker from a thread without an identity of its own (one
+started by other means, with no context or sharing another thread's through
+``copy_context().run``: its pushes have no fixed position) is refused with
+:class:`~jaxdist.base.errors.UnidentifiedPushError` before anything is sent,
+never sent as an at-least-once push.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
+import functools
+import hashlib
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from types import FrameType
+from typing import Any, TypeVar
 
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, UnidentifiedPushError
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
 from jaxdist.transport.rpc import PLAINTEXT
@@ -36,30 +55,78 @@ __all__ = [
     "current_num_workers",
     "current_ps",
     "current_worker_index",
+    "inherit_in_threads",
     "next_update_id",
     "use",
 ]
 
 
+_T = TypeVar("_T")
+
+_SHARED = (
+    "a push from a thread that shares the closure's context (contextvars.copy_context().run) without an identity "
+    "of its own has no fixed position among the closure's pushes, so a re-run could apply it twice: start the "
+    "thread with threading.Thread or a concurrent.futures.ThreadPoolExecutor inside the closure (each gets an "
+    "identity of its own), or push from the closure's thread"
+)
+_NONE = (
+    "a push on a worker from a thread without the closure's identity: it could be applied twice if the closure "
+    "is re-run. Start helper threads inside the closure with threading.Thread or a "
+    "concurrent.futures.ThreadPoolExecutor (they inherit the closure's identity), or push from the closure's thread"
+)
+
+
 class ClosureIdentity:
-    """The identities of the pushes one closure attempt makes: ``prefix/1``, ``prefix/2``, ...
+    """The identities of the pushes one thread of a closure attempt makes: ``prefix/1``, ``prefix/2``, ...
 
     A closure re-run after its worker failed gets the same prefix (coordinator
     run and closure id), so its pushes repeat their identities and each PS
-    applies each of them at most once.
+    applies each of them at most once. A thread the closure starts gets a
+    :meth:`child` identity (its own sequence), so pushes of concurrent threads
+    never race for positions in one sequence.
+
+    An identity belongs to one thread (the one that made it, or for a child
+    the one that calls :meth:`bind`): a push from another thread sharing it
+    (``contextvars.copy_context().run``) would take a position that depends on
+    scheduling, so :meth:`next_update_id` refuses it.
     """
 
-    __slots__ = ("prefix", "_seq", "_lock")
+    __slots__ = ("prefix", "_seq", "_children", "_owner", "_lock")
 
-    def __init__(self, prefix: str) -> None:
+    def __init__(self, prefix: str, owner: int | None = None) -> None:
         self.prefix = prefix
         self._seq = 0
+        self._children: dict[str, int] = {}
+        #: ``threading.get_ident()`` of the thread whose pushes these are (0: not bound yet).
+        self._owner = threading.get_ident() if owner is None else owner
         self._lock = threading.Lock()
 
+    def bind(self) -> None:
+        """Make the calling thread the owner (a child identity, in the thread or call it was made for)."""
+        self._owner = threading.get_ident()
+
+    def owned_by_caller(self) -> bool:
+        """Whether the calling thread is the one whose pushes these identities are."""
+        return threading.get_ident() == self._owner
+
     def next_update_id(self) -> str:
+        """The next identity ``prefix/<n>``.
+
+        Raises:
+            UnidentifiedPushError: called from another thread than the owner.
+        """
+        if not self.owned_by_caller():
+            raise UnidentifiedPushError(_SHARED)
         with self._lock:
             self._seq += 1
             return f"{self.prefix}/{self._seq}"
+
+    def child(self, site: str) -> ClosureIdentity:
+        """A new identity ``prefix/<site>.<n>`` for the ``n``-th thread (or submitted call) started
+        from ``site`` by this identity's thread; unbound until :meth:`bind`."""
+        with self._lock:
+            n = self._children[site] = self._children.get(site, 0) + 1
+        return ClosureIdentity(f"{self.prefix}/{site}.{n}", owner=0)
 
 
 @dataclass(frozen=True)
@@ -81,8 +148,13 @@ class TaskContext:
     identity: ClosureIdentity | None = None
 
     def for_closure(self, prefix: str) -> TaskContext:
-        """This context with a fresh push identity ``prefix/1, prefix/2, ...``."""
+        """This context with a fresh push identity ``prefix/1, prefix/2, ...`` (owned by the calling thread)."""
         return replace(self, identity=ClosureIdentity(prefix))
+
+    def for_child(self, site: str) -> TaskContext:
+        """This context for a thread started from ``site`` by the identity's thread (see :meth:`ClosureIdentity.child`)."""
+        assert self.identity is not None
+        return replace(self, identity=self.identity.child(site))
 
 
 _current: contextvars.ContextVar[TaskContext | None] = contextvars.ContextVar("jaxdist_task_context", default=None)
@@ -138,12 +210,117 @@ def current_ps() -> PSConnections:
     return ctx.ps
 
 
-def next_update_id() -> str:
-    """The next push identity of the running closure; "" outside a closure (no deduplication)."""
+def next_update_id(own_connections: bool = True) -> str:
+    """The next push identity of the running closure's thread; "" for a push that carries none.
+
+    The identity is the context's, if it belongs to this thread; else the one
+    this thread got when the closure started it (it may have switched to a
+    copy of the closure's context since).
+
+    Args:
+        own_connections: whether the pushed variables have connections of
+            their own (the coordinator's handles); False for handles that
+            push through the task's connections (a worker's).
+
+    Raises:
+        UnidentifiedPushError: a push inside a closure's context from a thread
+            without an identity of its own, or a worker-side push
+            (``own_connections`` False) from a thread with none: it cannot be
+            deduplicated, so it is not sent.
+    """
     ctx = _current.get()
-    if ctx is None or ctx.identity is None:
-        return ""
-    return ctx.identity.next_update_id()
+    shared = ctx.identity if ctx is not None else None
+    if shared is not None and shared.owned_by_caller():
+        return shared.next_update_id()
+    own: ClosureIdentity | None = getattr(_thread_identity, "identity", None)
+    if own is not None:
+        return own.next_update_id()
+    if shared is not None:
+        raise UnidentifiedPushError(_SHARED)
+    if not own_connections:
+        raise UnidentifiedPushError(_NONE)
+    return ""
+
+
+# ---------------------------------------------------------------- threads inherit the closure's context
+_inherit_lock = threading.Lock()
+_inheriting = False
+#: Set while ThreadPoolExecutor.submit runs: the pool's own threads started there carry no closure context.
+_in_submit = threading.local()
+#: The identity a thread (or executor call) got when a closure started it, whatever context it runs in.
+_thread_identity = threading.local()
+
+
+def _site(frame: FrameType | None) -> str:
+    """A short, host-independent name of the line ``frame`` is at: module, function and line."""
+    if frame is None:
+        return "0" * 8
+    code = frame.f_code
+    where = f"{frame.f_globals.get('__name__', '')}:{getattr(code, 'co_qualname', code.co_name)}:{frame.f_lineno}"
+    return hashlib.blake2b(where.encode(), digest_size=4).hexdigest()
+
+
+def _run_as(ctx: TaskContext, fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """Run ``fn`` in ``ctx``, whose identity becomes the calling thread's (for the call)."""
+    assert ctx.identity is not None
+    ctx.identity.bind()
+    outer = getattr(_thread_identity, "identity", None)
+    _thread_identity.identity = ctx.identity
+    try:
+        with use(ctx):
+            return fn(*args, **kwargs)
+    finally:
+        _thread_identity.identity = outer
+
+
+def _closure_context() -> TaskContext | None:
+    ctx = _current.get()
+    return ctx if ctx is not None and ctx.identity is not None else None
+
+
+def inherit_in_threads() -> None:
+    """Make threads and executor calls started inside a closure run in its context (idempotent, process-wide).
+
+    ``threading.Thread.start`` and ``concurrent.futures.ThreadPoolExecutor.submit``
+    called from a closure's context give the new thread (or the submitted
+    call) that context with a child identity (:meth:`TaskContext.for_child`);
+    called anywhere else they behave exactly as before. An executor's own
+    worker threads carry no context (the calls they run each carry their
+    submitter's).
+    """
+    global _inheriting
+    with _inherit_lock:
+        if _inheriting:
+            return
+        _inheriting = True
+        # Typed loosely: they are wrapped and replaced, whatever their exact stub signatures.
+        start: Callable[..., None] = threading.Thread.start
+        submit: Callable[..., concurrent.futures.Future[Any]] = concurrent.futures.ThreadPoolExecutor.submit
+
+        @functools.wraps(start)
+        def start_in_context(self: threading.Thread) -> None:
+            ctx = _closure_context()
+            if ctx is not None and self.ident is None and not getattr(_in_submit, "active", False):
+                child = ctx.for_child(_site(sys._getframe(1)))
+                self.run = functools.partial(_run_as, child, self.run)  # type: ignore[method-assign]
+            start(self)
+
+        @functools.wraps(submit)
+        def submit_in_context(self: concurrent.futures.ThreadPoolExecutor, fn: Callable[..., Any], /, *args: Any,
+                              **kwargs: Any) -> concurrent.futures.Future[Any]:
+            ctx = _closure_context()
+            if ctx is None:
+                return submit(self, fn, *args, **kwargs)
+            child = ctx.for_child(_site(sys._getframe(1)))
+            outer = getattr(_in_submit, "active", False)
+            _in_submit.active = True
+            try:
+                return submit(self, _run_as, child, fn, *args, **kwargs)
+            finally:
+                _in_submit.active = outer
+
+        setattr(threading.Thread, "start", start_in_context)  # noqa: B010 - a method replaced on purpose
+        setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit_in_context)  # noqa: B010
 
 
 def current_worker_index() -> int:

@@ -103,6 +103,8 @@ class WorkerServicer:
         self._conns: PSConnections | None = None
         #: The context closures run in (set by Configure).
         self.context = wctx.TaskContext(credentials)
+        # Threads a closure starts push with identities of their own (exactly-once updates).
+        wctx.inherit_in_threads()
         #: (coordinator registration address, this worker's address there), from Configure.
         self.registration: tuple[str, str] = ("", "")
         self.stats = {"closures_done": 0.0, "closures_failed": 0.0, "functions_cached": 0.0, "bytes_in": 0.0, "bytes_out": 0.0}

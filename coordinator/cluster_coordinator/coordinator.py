@@ -367,6 +367,7 @@ class ClusterCoordinator:
         self._cluster = Cluster(strategy, addresses, settings, self._queue, self.run_id)
         self._registration: rpc.Server | None = None
         self._metrics: MetricsExporter | None = None
+        self._ps_recovery_timeout: float | None = None
         self._cluster.start()
         if strategy.replicas is not None:
             self._cluster.failures.set_ps_mode(PSMode.REPLICATION, failover_after=self.failover_after)
@@ -400,6 +401,18 @@ class ClusterCoordinator:
         """False while no closure is handed out: inside :meth:`paused`, while a PS is down
         (recovery or failover), or after :meth:`shutdown`."""
         return self._queue.dispatching
+
+    @property
+    def ps_recovery_timeout(self) -> float | None:
+        """Seconds a PS may stay away before checkpoint-mode recovery gives up; None: it is off
+        (:meth:`enable_ps_recovery`)."""
+        return self._ps_recovery_timeout
+
+    @property
+    def ps_recovery_failures(self) -> int:
+        """PS restores that failed (each failed the job with its error; checkpoint-mode recovery)."""
+        watcher = self._cluster.ps_watcher
+        return watcher.failed_recoveries if watcher is not None else 0
 
     @property
     def ps_recoveries(self) -> int:
@@ -450,6 +463,7 @@ class ClusterCoordinator:
         if self._cluster.ps_watcher is not None:
             return
         self._cluster.failures.set_ps_mode(PSMode.CHECKPOINT, ps_timeout=timeout)
+        self._ps_recovery_timeout = timeout
         self._cluster.watch_ps(PSWatcher(self.strategy, self, self._cluster.failures, self._cluster, manager=manager,
                                          poll_interval=poll_interval))
 

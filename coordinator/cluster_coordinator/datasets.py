@@ -13,7 +13,9 @@
   closure gives it back to a later closure; after ``num_batches * epochs``
   positions ``next`` ends the data. With exactly-once updates every batch
   of every epoch is trained on exactly once.
-- :func:`steps_per_execution` runs several steps in one closure.
+- :func:`steps_per_execution` runs several steps in one closure; with an
+  exactly-once iterator the closure gets one batch position per step (k
+  positions, fewer at the end of the data), all kept by a re-run.
 
 Batches travel to the worker as persistent ids of the argument protocol
 (:mod:`jaxdist.worker.closure_args`); the worker reads ``ds[index]`` itself.
@@ -31,7 +33,7 @@ import jax
 from jaxdist.base.input_context import InputContext
 from jaxdist.cluster_coordinator.closure_queue import Closure
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues
-from jaxdist.worker.closure_args import PersistentId, WorkerResident, batch_ref
+from jaxdist.worker.closure_args import LedgerBatches, PersistentId, WorkerResident, batch_ref
 from jaxdist.worker.context import current_num_workers, current_worker_index
 
 if TYPE_CHECKING:
@@ -44,6 +46,7 @@ __all__ = [
     "LedgerItem",
     "PerWorkerDataset",
     "PerWorkerDatasetIterator",
+    "StepsPerExecution",
     "assign_ledger_positions",
     "steps_per_execution",
 ]
@@ -122,11 +125,12 @@ class DataLedger:
 
 
 class LedgerItem(WorkerResident):
-    """Batch ``index`` of per-worker dataset ``resource_id`` (None: the ledger is exhausted)."""
+    """Batch ``index`` of per-worker dataset ``resource_id``: one batch index, a tuple of them (one per
+    step of a :func:`steps_per_execution` closure, in order), or None (the ledger is exhausted)."""
 
     __slots__ = ("resource_id", "index")
 
-    def __init__(self, resource_id: int, index: int | None) -> None:
+    def __init__(self, resource_id: int, index: int | tuple[int, ...] | None) -> None:
         self.resource_id = resource_id
         self.index = index
 
@@ -135,22 +139,31 @@ class LedgerItem(WorkerResident):
 
 
 def assign_ledger_positions(closure: Closure) -> None:
-    """Give ``closure`` one ledger position per exactly-once iterator among its arguments.
+    """Give ``closure`` its ledger positions for each exactly-once iterator among its arguments.
 
-    The iterators are replaced by :class:`LedgerItem`s; the positions are
-    marked done when the closure finishes and given back when it is
-    cancelled or fails (the closure's ``on_done``/``on_cancel``).
+    One position per iterator, or ``k`` for a :func:`steps_per_execution`
+    function of ``k`` steps (one per step; fewer when the data runs out). The
+    iterators are replaced by :class:`LedgerItem`s, so a re-run of the
+    closure trains the same batches; the positions are marked done when the
+    closure finishes and given back when it is cancelled or fails (the
+    closure's ``on_done``/``on_cancel``).
     """
+    per_closure = closure.fn.steps if isinstance(closure.fn, StepsPerExecution) else 1
     taken: list[tuple[DataLedger, int]] = []
 
     def assign(x: Any) -> Any:
         if not isinstance(x, ExactlyOnceIterator):
             return x
-        pos = x.ledger.take()
-        if pos is None:
-            return LedgerItem(x.resource_id, None)
-        taken.append((x.ledger, pos))
-        return LedgerItem(x.resource_id, pos % x.ledger.num_batches)
+        indices = []
+        for _ in range(per_closure):
+            pos = x.ledger.take()
+            if pos is None:
+                break
+            taken.append((x.ledger, pos))
+            indices.append(pos % x.ledger.num_batches)
+        if per_closure > 1:
+            return LedgerItem(x.resource_id, tuple(indices) or None)
+        return LedgerItem(x.resource_id, indices[0] if indices else None)
 
     closure.args, closure.kwargs = jax.tree.map(
         assign, (closure.args, closure.kwargs), is_leaf=lambda x: isinstance(x, PerWorkerValues)
@@ -162,7 +175,7 @@ def assign_ledger_positions(closure: Closure) -> None:
                 led.mark_done(p)
 
         def on_cancel() -> None:
-            for led, p in taken:
+            for led, p in reversed(taken):  # each goes to the front: in reverse, they are handed out in order again
                 led.give_back(p)
 
         closure.on_done = on_done
@@ -241,21 +254,48 @@ class PerWorkerDatasetIterator(PerWorkerValues):
         return f"PerWorkerDatasetIterator({self._inner!r})"
 
 
-def steps_per_execution(fn: Callable[..., Any], steps: int) -> Callable[..., Any]:
+class StepsPerExecution:
+    """``fn`` run ``steps`` times in one closure (made by :func:`steps_per_execution`); picklable.
+
+    On the worker, when the arguments hold exactly-once batches
+    (:class:`~jaxdist.worker.closure_args.LedgerBatches`), it runs one step
+    per batch assigned (``steps``, or fewer at the end of the data), so no
+    step asks for a batch the ledger did not give this closure; with none
+    assigned (the data is over) it runs one step, whose ``next`` ends the data.
+    """
+
+    def __init__(self, fn: Callable[..., Any], steps: int) -> None:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        self.fn = fn
+        self.steps = steps
+        self.__name__ = f"{getattr(fn, '__name__', 'fn')}_x{steps}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        steps = self.steps
+        assigned = [len(b) for b in jax.tree.leaves((args, kwargs), is_leaf=lambda x: isinstance(x, LedgerBatches))
+                    if isinstance(b, LedgerBatches)]
+        if assigned:
+            steps = max(1, min(steps, *assigned))
+        out = None
+        for _ in range(steps):
+            out = self.fn(*args, **kwargs)
+        return out
+
+    def __repr__(self) -> str:
+        return f"steps_per_execution({self.fn!r}, {self.steps})"
+
+
+def steps_per_execution(fn: Callable[..., Any], steps: int) -> StepsPerExecution:
     """Run ``fn`` ``steps`` times inside one closure (TF's ``steps_per_execution``); returns the last result.
 
     Scheduling ``steps_per_execution(train_step, 10)`` cuts per-closure
     overhead tenfold. Each inner step's pushes keep their own identities, so
-    a re-run closure still applies every step's update exactly once.
+    a re-run closure still applies every step's update exactly once. With an
+    exactly-once iterator (``create_per_worker_dataset(..., exactly_once=True)``)
+    the closure gets ``steps`` batch positions, one per step, and a re-run
+    trains the same ones; the last closure of the data may get fewer and runs
+    that many steps.
     """
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        out = None
-        for _ in range(steps):
-            out = fn(*args, **kwargs)
-        return out
-
-    run.__name__ = f"{getattr(fn, '__name__', 'fn')}_x{steps}"
-    return run
+    return StepsPerExecution(fn, steps)

@@ -97,6 +97,8 @@ class PSWatcher:
                                         daemon=True)
         #: PS tasks restored from a checkpoint so far (checkpoint mode).
         self.recoveries = 0
+        #: Restores that failed (the job failed with their error).
+        self.failed_recoveries = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -163,6 +165,7 @@ class PSWatcher:
             )
         except JaxdistError as e:
             logger.error("PS recovery failed: %s", e)
+            self.failed_recoveries += 1
             self._host.apply(self._failures.ps_restore_failed(shards, e))
             return
         self.recoveries += 1

@@ -12,6 +12,7 @@ import os
 import threading
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -19,9 +20,27 @@ import pytest
 from conftest import poll_for
 
 import jaxdist
-from jaxdist.errors import ConfigurationError, JaxdistError, OutOfRangeError
+from jaxdist.errors import ConfigurationError, JaxdistError, OutOfRangeError, UpdateMismatchError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
+
+MakeStrategy = Callable[[jaxdist.LocalCluster], jaxdist.ParameterServerStrategy]
+
+
+@pytest.fixture
+def make_strategy() -> Iterator[MakeStrategy]:
+    """Makes a cluster's ParameterServerStrategy; shuts its coordinator down and closes it after the test."""
+    made: list[jaxdist.ParameterServerStrategy] = []
+
+    def make(cluster: jaxdist.LocalCluster) -> jaxdist.ParameterServerStrategy:
+        made.append(jaxdist.ParameterServerStrategy(cluster.cluster_resolver()))
+        return made[-1]
+
+    yield make
+    for strategy in made:
+        if strategy.coordinator is not None:
+            strategy.coordinator.shutdown(exit_tasks=False)
+        strategy.close()
 
 
 # ------------------------------------------------------------------------------ item 8
@@ -38,7 +57,7 @@ def _start_helper(kind: str, fn: Any) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["thread", "executor"])
-def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str) -> None:
+def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str, make_strategy: MakeStrategy) -> None:
     """Item 8: pushes made from a thread that a closure starts carry no identity (it is
     thread-local), so a closure re-run after its worker died applies them twice (under SIGKILL
     chaos 1,000 closures ended at 1,028-1,058). Here one closure pushes +1 from a helper thread
@@ -46,7 +65,7 @@ def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str
     runs again on the other worker. Both counters must end at exactly 1 (or the helper's push is
     refused with an error and its counter stays 0)."""
     with jaxdist.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        strategy = make_strategy(cluster)
         with strategy.scope():
             helper_count = jaxdist.create_variable(np.zeros((), np.int64), name="helper_count")
             own_count = jaxdist.create_variable(np.zeros((), np.int64), name="own_count")
@@ -93,14 +112,77 @@ def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str
 
 
 @pytest.mark.slow
-def test_steps_per_execution_with_an_exactly_once_iterator_trains_every_batch_once() -> None:
+@pytest.mark.timeout(300)
+def test_helper_thread_pushes_are_exact_under_sigkill_chaos(make_strategy: MakeStrategy) -> None:
+    """Item 8 as the issue measured it: closures each pushing +1 from a ``threading.Thread``, +1 from a
+    ``ThreadPoolExecutor`` call and +1 from their own thread while a random worker is SIGKILLed and
+    restarted every ~1 s: every counter ends at exactly the number of closures."""
+    with jaxdist.LocalCluster(num_workers=3, num_ps=1) as cluster:
+        strategy = make_strategy(cluster)
+        with strategy.scope():
+            counts = [jaxdist.create_variable(np.zeros((), np.int64), name=f"count_{k}") for k in ("thread", "executor", "own")]
+        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
+        one = np.ones((), np.int64)
+
+        def add_one(i: int) -> int:
+            _start_helper("thread", lambda: counts[0].assign_add(one))
+            _start_helper("executor", lambda: counts[1].assign_add(one))
+            counts[2].assign_add(one)
+            time.sleep(0.01)  # seconds of work on 3 workers, so chaos gets several kills in
+            return i
+
+        n = 600
+        with cluster.chaos(every=1.0, downtime=0.3, seed=11) as chaos:
+            rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
+            coord.join()
+        got = [int(c.numpy()) for c in counts]
+        coord.shutdown(exit_tasks=False)
+        assert chaos.kills >= 2, f"only {chaos.kills} kills happened; the run was too fast to test anything"
+        assert sorted(rv.fetch() for rv in rvs) == list(range(n))
+        assert got == [n, n, n], f"thread, executor and own-thread counters after {n} closures and {chaos.kills} kills: {got}"
+
+
+@pytest.mark.slow
+def test_a_rerun_that_pushes_another_variable_at_a_position_is_a_typed_error(make_strategy: MakeStrategy) -> None:
+    """A push's identity is its position in the closure: a re-run that takes another path (here: which
+    variable depends on the worker) pushes another variable at position 1. It must not be dropped as a
+    duplicate of the first attempt's push: the closure fails with UpdateMismatchError, nothing applied."""
+    with jaxdist.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = make_strategy(cluster)
+        with strategy.scope():
+            per_worker = [jaxdist.create_variable(np.zeros((), np.int64), name=f"w{i}") for i in range(2)]
+            first_worker = jaxdist.create_variable(np.zeros((), np.int64), name="first_worker")  # 1 + index
+            release = jaxdist.create_variable(np.zeros((), np.int64), name="release")
+        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
+
+        def step() -> None:
+            w = jaxdist.current_worker_index()
+            per_worker[w].assign_add(np.ones((), np.int64))  # push 1: its variable depends on the path taken
+            first_worker.assign(np.asarray(w + 1, np.int64))
+            while int(release.numpy()) == 0:
+                time.sleep(0.05)
+
+        rv = coord.schedule(step)
+        poll_for(lambda: int(first_worker.numpy()) != 0, 120, what="the closure's first attempt to push")
+        victim = int(first_worker.numpy()) - 1
+        cluster.kill(f"worker:{victim}")
+        release.assign(np.ones((), np.int64))
+        with pytest.raises(UpdateMismatchError):
+            rv.fetch()
+        values = [int(v.numpy()) for v in per_worker]
+        coord.shutdown(exit_tasks=False)
+        assert values[victim] == 1 and values[1 - victim] == 0, values
+
+
+@pytest.mark.slow
+def test_steps_per_execution_with_an_exactly_once_iterator_trains_every_batch_once(make_strategy: MakeStrategy) -> None:
     """Item 8: ``steps_per_execution(fn, k)`` with an ``exactly_once=True`` iterator: the second inner
     ``next()`` raises ``OutOfRangeError: end of data`` while ``ledger.completed`` is 0; the first
     step's push has landed and its batch goes back to the ledger, so a retry trains it twice.
     Either k batches per closure work (every batch trained exactly once), or the combination is
     refused before anything is applied."""
     with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        strategy = make_strategy(cluster)
         with strategy.scope():
             seen = jaxdist.create_variable(np.zeros(8, np.int64), name="seen")
         coord = jaxdist.ClusterCoordinator(strategy)
@@ -153,7 +235,9 @@ def _get_status_calls(cluster: jaxdist.LocalCluster, task: str) -> float:
 
 
 @pytest.mark.slow
-def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, make_strategy: MakeStrategy
+) -> None:
     """Item 9: ``CheckpointManager.save`` during PS recovery raises ConfigurationError ("variable
     missing on ps:1; was the PS restarted empty?") for a temporary state. It must raise a
     retryable, typed error (not a configuration error), or wait for the recovery and save the
@@ -162,7 +246,7 @@ def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(tmp_path: Any,
     The recovery is held (10 s at most) where it is about to restore the restarted PS, so the save
     runs while the coordinator knows the PS came back empty and is restoring it."""
     with jaxdist.LocalCluster(num_workers=1, num_ps=2) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        strategy = make_strategy(cluster)
         with strategy.scope():
             a = jaxdist.create_variable(np.full(3, 1.0, np.float32), name="a")
             b = jaxdist.create_variable(np.full(3, 2.0, np.float32), name="b")
@@ -207,6 +291,26 @@ def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(tmp_path: Any,
             saved = jaxdist.checkpoint.load(path)["variables"]
             assert np.array_equal(saved["b"], np.full(3, 2.0, np.float32)) and np.array_equal(saved["a"], np.full(3, 1.0, np.float32))
         assert np.array_equal(jaxdist.checkpoint.load(again)["variables"]["b"], np.full(3, 2.0, np.float32))
+
+
+@pytest.mark.slow
+def test_checkpoint_save_of_a_ps_restarted_empty_without_recovery_is_a_retryable_error(tmp_path: Any, make_strategy: MakeStrategy) -> None:
+    """Item 9, without PS recovery: nothing will restore the PS, so the save fails, with
+    PSUnavailableError (UNAVAILABLE: retry once the PS is restored), not a ConfigurationError; and
+    nothing is left in the checkpoint directory."""
+    with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = make_strategy(cluster)
+        with strategy.scope():
+            jaxdist.create_variable(np.full(3, 1.0, np.float32), name="a")
+        coord = jaxdist.ClusterCoordinator(strategy)
+        manager = jaxdist.CheckpointManager(jaxdist.Checkpoint(strategy), str(tmp_path / "ckpt"))
+        cluster.kill("ps:0")
+        cluster.restart("ps:0")
+        with pytest.raises(jaxdist.errors.PSUnavailableError) as e:
+            manager.save(1)
+        coord.shutdown(exit_tasks=False)
+        assert not isinstance(e.value, ConfigurationError) and e.value.code.name == "UNAVAILABLE"
+        assert os.listdir(tmp_path / "ckpt") == [] and manager.latest_checkpoint is None
 
 
 def test_local_cluster_creates_a_missing_log_dir(tmp_path: Any) -> None:

@@ -27,6 +27,7 @@ from jaxdist.errors import (
     PayloadTooLargeError,
     PSUnavailableError,
     ShapeMismatchError,
+    UpdateMismatchError,
     VariableNotFoundError,
 )
 from jaxdist.proto import codec, ps_pb2
@@ -91,6 +92,26 @@ def client(ps_server: ParameterServer) -> Iterator[PSClient]:
 def _raw(ps: ParameterServer) -> socket.socket:
     s = socket.create_connection(("127.0.0.1", ps.data_port), timeout=5)
     return s
+
+
+def test_a_repeated_update_id_naming_another_variable_is_a_typed_error_on_both_transports(
+    ps_server: ParameterServer, client: PSClient
+) -> None:
+    """Issue 19: a re-run closure that pushes another variable at a position is refused, typed
+    (FAILED_PRECONDITION), on the data plane and on gRPC alike, and changes nothing."""
+    client.create([CreateSpec("other", value=np.zeros(3, np.float32))])
+    assert client.push([Update("v", Op.ASSIGN_ADD, np.ones((4, 3), np.float32))], update_id="run/9/1") == ([2], False)
+    via_grpc = PSClient(ps_server.address, CREDS, task="ps:0", data_plane=False)
+    try:
+        for c in (client, via_grpc):
+            with pytest.raises(UpdateMismatchError) as e:
+                c.push([Update("other", Op.ASSIGN_ADD, np.ones(3, np.float32))], update_id="run/9/1")
+            assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert c.push([Update("v", Op.ASSIGN_ADD, np.ones((4, 3), np.float32))], update_id="run/9/1") == ([2], True)
+        ((other, version),) = client.pull([PullSpec("other")])
+        assert version == 1 and not other.any()
+    finally:
+        via_grpc.close()
 
 
 def test_pull_and_push_use_the_data_plane_and_match_grpc(ps_server: ParameterServer, client: PSClient) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pickle
 
+import cloudpickle
+
 import pytest
+from jaxdist.base.errors import ConfigurationError
 from jaxdist.cluster_coordinator.closure_queue import Closure
 from jaxdist.cluster_coordinator.datasets import DataLedger, ExactlyOnceIterator, LedgerItem, assign_ledger_positions
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResource, PerWorkerResourceValues, PerWorkerValues, resolve_per_worker
@@ -104,8 +107,8 @@ def test_argument_bytes_carry_resources_and_batches_by_reference() -> None:
     assert args[0] is iterator and kwargs["it"] is iterator and args[2] == [3, 4]
     batch = args[1]
     assert iter(batch) is batch
-    assert next(batch) == "b2"
-    with pytest.raises(StopIteration):  # one batch per closure
+    assert len(batch) == 1 and next(batch) == "b2" and len(batch) == 0
+    with pytest.raises(ConfigurationError):  # one batch per closure: asking for more is an error, not end of data
         next(batch)
     (exhausted,), _ = closure_args.loads(closure_args.dumps((LedgerItem(2, None),), {}), {2: dataset})
     with pytest.raises(StopIteration):  # the ledger ran out: end of data
@@ -132,3 +135,62 @@ def test_unknown_persistent_ids_are_refused() -> None:
     data = closure_args.dumps((Forged(),), {})
     with pytest.raises(pickle.UnpicklingError):
         closure_args.loads(data, {"rm -rf": 1})
+
+
+# ------------------------------------------------------ steps_per_execution x ledger
+def test_steps_per_execution_closures_get_one_position_per_step() -> None:
+    """Issue 19 item 8: ``steps_per_execution(fn, k)`` with an exactly-once iterator takes k positions per
+    closure (fewer at the end of the data); a failed closure gives all of them back, in order."""
+    from jaxdist.cluster_coordinator.datasets import steps_per_execution
+
+    led = DataLedger(num_batches=5)
+    it = ExactlyOnceIterator(PerWorkerResourceValues(7), led)
+    step = steps_per_execution(noop, 2)
+    closures = [Closure(step, (it,), per_worker=True) for _ in range(4)]
+    for c in closures:
+        assign_ledger_positions(c)
+    assert [c.args[0].index for c in closures] == [(0, 1), (2, 3), (4,), None]
+    closures[0].succeed(b"")
+    closures[1].fail(RuntimeError("lost"))
+    assert led.completed == 2
+    again = Closure(step, (it,), per_worker=True)
+    assign_ledger_positions(again)
+    assert again.args[0].index == (2, 3)
+
+
+def test_steps_per_execution_runs_one_step_per_assigned_batch_on_the_worker() -> None:
+    from jaxdist.cluster_coordinator.datasets import steps_per_execution
+
+    dataset = [f"b{i}" for i in range(6)]
+    seen: list[str] = []
+
+    def train(iterator: object) -> str:
+        seen.append(next(iterator))  # type: ignore[call-overload]
+        return seen[-1]
+
+    step = steps_per_execution(train, 3)
+    for index, want in (((1, 4, 5), ["b1", "b4", "b5"]), ((2,), ["b2"])):
+        seen.clear()
+        (batches,), _ = closure_args.loads(closure_args.dumps((LedgerItem(2, index),), {}), {2: dataset})
+        assert step(batches) == want[-1] and seen == want  # the last closure of the data runs fewer steps
+    (exhausted,), _ = closure_args.loads(closure_args.dumps((LedgerItem(2, None),), {}), {2: dataset})
+    with pytest.raises(StopIteration):  # no batch at all: one step, whose next() ends the data
+        step(exhausted)
+    seen.clear()
+    assert steps_per_execution(lambda: seen.append("x"), 4)() is None and seen == ["x"] * 4  # no ledger: k steps
+    with pytest.raises(ValueError):
+        steps_per_execution(train, 0)
+    assert pickle.loads(cloudpickle.dumps(step)).steps == 3
+
+
+def test_malformed_ledger_ids_are_refused() -> None:
+    class Forged(closure_args.WorkerResident):
+        def __init__(self, index: object) -> None:
+            self.index = index
+
+        def persistent_id(self) -> tuple[object, ...]:
+            return (closure_args.LEDGER, 2, self.index)
+
+    for bad in ("1", 1.5, (1, "2"), [1, 2], (True,)):
+        with pytest.raises(pickle.UnpicklingError):
+            closure_args.loads(closure_args.dumps((Forged(bad),), {}), {2: [0, 1, 2]})

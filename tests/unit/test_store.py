@@ -12,6 +12,7 @@ from jaxdist.errors import (
     InvalidRequestError,
     PayloadTooLargeError,
     ShapeMismatchError,
+    UpdateMismatchError,
     VariableExistsError,
     VariableNotFoundError,
 )
@@ -93,6 +94,30 @@ def test_update_id_applies_at_most_once() -> None:
     with pytest.raises(DTypeMismatchError):
         s.apply([Update("c", Op.ASSIGN_ADD, np.array([1.0]))], "x/3")
     assert s.apply([Update("c", Op.ASSIGN_ADD, f32(1))], "x/3") == ([4], False)
+
+
+def test_a_repeated_update_id_naming_other_variables_or_ops_is_refused_not_dropped() -> None:
+    """A re-run closure that took another path repeats a push's identity with another variable: the PS
+    refuses it (typed) instead of dropping it as a duplicate, and changes nothing."""
+    s = VariableStore()
+    s.create("x", value=f32(0))
+    s.create("y", value=f32(0))
+    assert s.apply([Update("x", Op.ASSIGN_ADD, f32(1))], update_id="run/7/1") == ([2], False)
+    for other in ([Update("y", Op.ASSIGN_ADD, f32(1))], [Update("x", Op.ASSIGN_SUB, f32(1))],
+                  [Update("x", Op.ASSIGN_ADD, f32(1)), Update("y", Op.ASSIGN_ADD, f32(1))]):
+        with pytest.raises(UpdateMismatchError) as e:
+            s.apply(other, update_id="run/7/1")
+        assert e.value.code.name == "FAILED_PRECONDITION"
+    assert s.read("x")[0] == 1 and s.read("y")[0] == 0 and s.duplicates_dropped == 0
+    # The same variables and ops (other values: a re-run computes on fresh parameters) are the duplicate.
+    assert s.apply([Update("x", Op.ASSIGN_ADD, f32(5))], update_id="run/7/1") == ([2], True)
+    assert s.read("x")[0] == 1
+    # A backup's full sync carries what each id named.
+    b = VariableStore()
+    b.replace_all([("x", f32(1), None, None, 2), ("y", f32(0), None, None, 1)], s.applied_ids())
+    with pytest.raises(UpdateMismatchError):
+        b.apply([Update("y", Op.ASSIGN_ADD, f32(1))], update_id="run/7/1")
+    assert b.apply([Update("x", Op.ASSIGN_ADD, f32(1))], update_id="run/7/1")[1] is True
 
 
 def test_concurrent_pushes_lose_nothing() -> None:
