@@ -212,7 +212,7 @@ class Gate(grpc.ServerInterceptor):
         self._lock = threading.Lock()
         self._max_workers = max_workers
         self._reject_pool = self._pool("reject", REJECT_THREADS)
-        self._deny = self._rejecting(E.AuthenticationError("missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token"))
+        self._rejects: dict[tuple[str, str], grpc.RpcMethodHandler] = {}
 
     @property
     def default_pool(self) -> futures.ThreadPoolExecutor:
@@ -243,12 +243,10 @@ class Gate(grpc.ServerInterceptor):
         if handler is None:
             return None  # UNIMPLEMENTED, token or not (as gRPC answers an unknown method)
         if self._expected is not None and not method.startswith(HEALTH_PREFIX) and not self._authorized(details):
-            return self._deny
+            return self._rejecting(method, "unauthenticated")
         route = self._route(method, handler)
         if not route.count.acquire():
-            return self._rejecting(E.RemoteError(
-                f"{method.lstrip('/')}: {route.count.cap} calls already in flight; retry later",
-                code=grpc.StatusCode.RESOURCE_EXHAUSTED))
+            return self._rejecting(method, "exhausted", route.count.cap)
         key = (method, id(handler))
         wrapped = self._wrapped.get(key)
         if wrapped is None:
@@ -290,14 +288,29 @@ class Gate(grpc.ServerInterceptor):
             return self._routes.setdefault(method, _Route(pool, _Count(cap), read_timeout))
 
     # ------------------------------------------------------------------ handlers
-    def _rejecting(self, exc: E.JaxdistError) -> grpc.RpcMethodHandler:
-        """A handler that answers ``exc`` without reading the request (request-streaming: gRPC waits for nothing)."""
+    def _rejecting(self, method: str, why: str, cap: int = 0) -> grpc.RpcMethodHandler:
+        """A handler of ``method`` that refuses the call without reading its request (request-streaming:
+        gRPC waits for nothing), counted as an error of ``method`` in the metrics."""
+        key = (method, why)
+        handler = self._rejects.get(key)
+        if handler is not None:
+            return handler
+        name = method.lstrip("/")
+        if why == "unauthenticated":
+            exc: E.JaxdistError = E.AuthenticationError("missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token")
+        else:
+            exc = E.RemoteError(f"{name}: {cap} calls already in flight; retry later", code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+        observe, error = self._metrics.timer(name) if self._metrics is not None else (None, None)
 
         def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> None:
+            if observe is not None:
+                observe(0.0)
+                error()  # type: ignore[misc]
             status.abort(context, exc)
 
         reject.experimental_thread_pool = self._reject_pool  # type: ignore[attr-defined]
-        return grpc.stream_stream_rpc_method_handler(reject)
+        handler = self._rejects[key] = grpc.stream_stream_rpc_method_handler(reject)
+        return handler
 
     def _one(self, method: str, requests: Iterator[Any], context: grpc.ServicerContext, route: _Route) -> Any:
         """The single request message of a unary method, read under the route's deadline."""

@@ -11,9 +11,13 @@
   statuses (:mod:`jaxdist.transport.guard`).
 - **Credentials** (:class:`jaxdist.transport.credentials.Credentials`: the
   token and optional TLS) are given explicitly; there is no process-wide default.
+- **No caller can starve it**: one gate (:mod:`jaxdist.transport.admission`)
+  checks the token before a call gets a thread, caps each method's concurrent
+  calls (RESOURCE_EXHAUSTED beyond) and runs health, liveness methods, each
+  streaming method and the rest on separate thread lanes.
 - **Metrics** (optional): given a Prometheus registry, a server times every
-  call per method (``jaxdist_rpc_server_latency_seconds``) with an
-  interceptor that costs a few microseconds per call.
+  call per method (``jaxdist_rpc_server_latency_seconds``) in that gate, for a
+  few microseconds per call.
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ class Server:
             loopback or ``insecure`` only) and the TLS material to serve with
             (none: plaintext). The token is checked either way.
         insecure: allow binding a non-loopback host without a token.
+        max_workers: threads of the lane that serves the methods with no lane of their own
+            (see :mod:`jaxdist.transport.admission`).
+        max_message_bytes: largest message sent or received.
         metrics_registry: a Prometheus ``CollectorRegistry``; when given, every
             call is timed into it (``jaxdist_rpc_server_latency_seconds``).
     """
@@ -143,6 +150,11 @@ class Server:
         self._gate.add_liveness({f"/{name}/{m}" for m in liveness})
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
         self._services.append(name)
+
+    def in_flight(self, method: str) -> int:
+        """Calls of ``method`` (``"/pkg.Service/Method"``) admitted and not yet ended (see
+        :mod:`jaxdist.transport.admission`: each method admits a bounded number)."""
+        return self._gate.in_flight(method)
 
     def start(self) -> int:
         bind = f"{self.host}:{self.requested_port}"

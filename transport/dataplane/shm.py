@@ -1,6 +1,6 @@
 """Same-host shared memory for the data plane: regions, and how one connection moves payloads.
 
-A client creates a region file in ``/dev/shm``, the server maps it
+A client creates a region file in ``/dev/shm``, the server opens it
 (``ShmAttach``, see :mod:`jaxdist.transport.dataplane`), and the client unlinks
 it. :class:`Channel` then moves each payload of one connection either on its
 socket or, for payloads of at least :data:`SHM_MIN_PAYLOAD` bytes, through the
