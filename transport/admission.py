@@ -254,10 +254,13 @@ class Gate(grpc.ServerInterceptor):
         return wrapped
 
     def _authorized(self, details: grpc.HandlerCallDetails) -> bool:
+        expected = self._expected
+        if expected is None:
+            return True
         for key, value in details.invocation_metadata or ():
             if key == AUTH_KEY:
                 got = value.encode() if isinstance(value, str) else value
-                return hmac.compare_digest(got, self._expected)  # type: ignore[arg-type]
+                return hmac.compare_digest(got, expected)
         return False
 
     def _pool(self, name: str, threads: int) -> futures.ThreadPoolExecutor:

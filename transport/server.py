@@ -182,6 +182,8 @@ class Server:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        # Not waiting: a handler still running user code (a closure) must not hold stop() up;
+        # idle lane threads exit now, busy ones when their call returns.
         self._gate.close()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -136,7 +136,7 @@ class PeerRegion:
         return os.pread(self._fd, 16, 0)
 
     def read(self, slot: int, offset: int, dst: np.ndarray) -> None:
-        view, pos = memoryview(dst).cast("B"), self._offset(slot, offset)
+        view, pos = codec.as_memoryview(dst).cast("B"), self._offset(slot, offset)
         done = 0
         while done < len(view):
             got = os.preadv(self._fd, [view[done:]], pos + done)
@@ -145,7 +145,7 @@ class PeerRegion:
             done += got
 
     def write(self, slot: int, offset: int, src: np.ndarray) -> None:
-        view, pos = memoryview(src).cast("B"), self._offset(slot, offset)
+        view, pos = codec.as_memoryview(src).cast("B"), self._offset(slot, offset)
         done = 0
         while done < len(view):
             done += os.pwrite(self._fd, view[done:], pos + done)
@@ -265,7 +265,7 @@ class Channel:
         total = sum(v.nbytes for v in views)
         if not self._shm(total):
             for v in views:
-                self.sock.sendall(memoryview(v))
+                self.sock.sendall(codec.as_memoryview(v))
             return
         assert self.region is not None
         self.settle(deadline)
@@ -307,7 +307,7 @@ class Channel:
         total = sum(v.nbytes for v in views)
         if not self._shm(total):
             for v in views:
-                recv_into(self.sock, memoryview(v), deadline)
+                recv_into(self.sock, codec.as_memoryview(v), deadline)
             return
         region = self.region
         assert region is not None
