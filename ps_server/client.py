@@ -42,9 +42,11 @@ __all__ = ["CreateSpec", "PSClient", "PullSpec", "Update", "deadline_for"]
 #: host), so deadlines, with keepalive, are what bound a call to a lost PS.
 _BASE_DEADLINE_S = 10.0
 #: After the data plane refused or could not be reached while gRPC works, tensors move over gRPC
-#: and the data plane is tried again after this back-off, doubling per failure up to the maximum.
-_DP_RETRY_MIN_S = 1.0
-_DP_RETRY_MAX_S = 30.0
+#: and the data plane is tried again after a back-off, doubling per failure up to a maximum:
+#: (first, maximum) seconds. A refusal (the PS's connection cap is full) is soon over; a port
+#: that cannot be reached (a firewall) rarely heals, and each try may wait a connect timeout.
+_DP_RETRY_REFUSED_S = (1.0, 30.0)
+_DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
 
 
@@ -98,9 +100,10 @@ class PSClient(ServiceClient):
         self._dp_host = _dial_host(address) if data_plane else None
         self._dp: dataplane.DataPlaneClient | None = None
         self._dp_lock = threading.Lock()
-        # Back-off of the data plane (see _DP_RETRY_MIN_S): when to try it again (0: not backing off).
+        # Back-off of the data plane (see _DP_RETRY_REFUSED_S): when to try it again (0: not backing
+        # off) and the next wait (0: the schedule's first).
         self._dp_retry_at = 0.0
-        self._dp_backoff = _DP_RETRY_MIN_S
+        self._dp_backoff = 0.0
         self._shared_memory = shared_memory
         ch = self.channel
         self._pull = ch.unary_stream(self._path("Pull"), request_serializer=ps_pb2.PullRequest.SerializeToString)
@@ -194,8 +197,9 @@ class PSClient(ServiceClient):
             if self._dp is dp:
                 self._dp = None
             first = not self._dp_retry_at
-            wait = self._dp_backoff
-            self._dp_backoff = min(_DP_RETRY_MAX_S, wait * 2)
+            start, most = _DP_RETRY_REFUSED_S if why.code == grpc.StatusCode.RESOURCE_EXHAUSTED else _DP_RETRY_UNREACHABLE_S
+            wait = min(most, max(start, self._dp_backoff))
+            self._dp_backoff = min(most, wait * 2)
             self._dp_retry_at = time.monotonic() + wait
         dp.close()
         log = logger.warning if first else logger.debug
@@ -208,7 +212,7 @@ class PSClient(ServiceClient):
             if self._dp_retry_at:
                 logger.info("%s: the data plane serves again; tensors move over it", self.task)
             self._dp_retry_at = 0.0
-            self._dp_backoff = _DP_RETRY_MIN_S
+            self._dp_backoff = 0.0
 
     # -------------------------------------------------------------------- pull
     def pull(
