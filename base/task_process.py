@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base.errors import ConfigurationError
@@ -102,7 +102,8 @@ class TaskServer:
     ``metrics`` the servicer's counters (``collector(servicer)``) and the RPC
     latencies are registered in that exporter (start it yourself).
     ``credentials`` are the task's token and TLS material, used by the server
-    and by the clients its servicer makes.
+    and by the clients its servicer makes. ``liveness`` names the service's
+    methods that must answer whatever else is in flight (GetStatus, Heartbeat).
     """
 
     def __init__(
@@ -116,12 +117,15 @@ class TaskServer:
         insecure: bool,
         metrics: MetricsExporter | None,
         max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+        liveness: Sequence[str] = (),
     ) -> None:
         self.servicer = servicer
         self.credentials = credentials
         self.server = rpc.Server(host, port, credentials, insecure=insecure, max_message_bytes=max_message_bytes,
                                  metrics_registry=metrics.registry if metrics is not None else None)
-        self.server.add_service(service_name, servicer.handlers())
+        # ``liveness``: the methods a coordinator polls to know this task is alive, served on
+        # their own thread lane (see :mod:`jaxdist.transport.admission`).
+        self.server.add_service(service_name, servicer.handlers(), liveness=liveness)
         if metrics is not None:
             metrics.register(collector(servicer))
             metrics.incarnation = servicer.incarnation

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +41,12 @@ __all__ = ["CreateSpec", "PSClient", "PullSpec", "Update", "deadline_for"]
 #: peer is not always announced by a connection reset (e.g. a frozen or cut-off
 #: host), so deadlines, with keepalive, are what bound a call to a lost PS.
 _BASE_DEADLINE_S = 10.0
+#: After the data plane refused or could not be reached while gRPC works, tensors move over gRPC
+#: and the data plane is tried again after a back-off, doubling per failure up to a maximum:
+#: (first, maximum) seconds. A refusal (the PS's connection cap is full) is soon over; a port
+#: that cannot be reached (a firewall) rarely heals, and each try may wait a connect timeout.
+_DP_RETRY_REFUSED_S = (1.0, 30.0)
+_DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
 
 
@@ -93,6 +100,10 @@ class PSClient(ServiceClient):
         self._dp_host = _dial_host(address) if data_plane else None
         self._dp: dataplane.DataPlaneClient | None = None
         self._dp_lock = threading.Lock()
+        # Back-off of the data plane (see _DP_RETRY_REFUSED_S): when to try it again (0: not backing
+        # off) and the next wait (0: the schedule's first).
+        self._dp_retry_at = 0.0
+        self._dp_backoff = 0.0
         self._shared_memory = shared_memory
         ch = self.channel
         self._pull = ch.unary_stream(self._path("Pull"), request_serializer=ps_pb2.PullRequest.SerializeToString)
@@ -117,10 +128,11 @@ class PSClient(ServiceClient):
     # ------------------------------------------------------------- data plane
     @property
     def uses_data_plane(self) -> bool | None:
-        """True once calls go over the data plane, False when they use gRPC, None before the first call."""
+        """True once calls go over the data plane, False when they use gRPC (for good, or while backing
+        off after the data plane refused or could not be reached), None before the first call."""
         if self._dp is not None:
             return True
-        return None if self._dp_host is not None else False
+        return None if self._dp_host is not None and not self._dp_retry_at else False
 
     @property
     def uses_shared_memory(self) -> bool:
@@ -133,6 +145,8 @@ class PSClient(ServiceClient):
         dp = self._dp
         if dp is not None or self._dp_host is None:
             return dp
+        if self._dp_retry_at and time.monotonic() < self._dp_retry_at:
+            return None  # backing off: this call goes over gRPC
         with self._dp_lock:
             if self._dp is None and self._dp_host is not None:
                 port = self.status().data_port  # a PS that cannot be reached raises its typed error here
@@ -153,7 +167,10 @@ class PSClient(ServiceClient):
             return None
         dp: dataplane.DataPlaneClient = found
         try:
-            return dp.call(method, header, arrays, timeout, receive)
+            res = dp.call(method, header, arrays, timeout, receive)
+            if self._dp_retry_at:
+                self._dp_served()
+            return res
         except dataplane.DataPlaneError as e:
             if e.connected:
                 raise self.status_error(e.code, e.details, e.reason) from None
@@ -170,12 +187,32 @@ class PSClient(ServiceClient):
             except dataplane.DataPlaneError as e:
                 raise self.status_error(e.code, e.details, e.reason) from None
         if dp2 is not None:
-            logger.warning("%s: data plane %s:%d is unreachable (%s) while gRPC works; moving tensors over gRPC "
-                           "from now on (open that port to use the data plane)", self.task, dp2.host, dp2.port, first.details)
-            with self._dp_lock:
-                self._dp, self._dp_host = None, None
-            dp2.close()
+            self._back_off(dp2, first)
         return None
+
+    def _back_off(self, dp: dataplane.DataPlaneClient, why: dataplane.DataPlaneError) -> None:
+        """The data plane refused (e.g. its connection cap) or is unreachable while gRPC works: move tensors
+        over gRPC and try the data plane again after a back-off (never give it up for good)."""
+        with self._dp_lock:
+            if self._dp is dp:
+                self._dp = None
+            first = not self._dp_retry_at
+            start, most = _DP_RETRY_REFUSED_S if why.code == grpc.StatusCode.RESOURCE_EXHAUSTED else _DP_RETRY_UNREACHABLE_S
+            wait = min(most, max(start, self._dp_backoff))
+            self._dp_backoff = min(most, wait * 2)
+            self._dp_retry_at = time.monotonic() + wait
+        dp.close()
+        log = logger.warning if first else logger.debug
+        log("%s: data plane %s:%d refused or unreachable (%s: %s) while gRPC works; moving tensors over gRPC and "
+            "trying the data plane again in %.0fs", self.task, dp.host, dp.port, why.code.name, why.details, wait)
+
+    def _dp_served(self) -> None:
+        """A data-plane call succeeded after a back-off: back to the data plane, back-off reset."""
+        with self._dp_lock:
+            if self._dp_retry_at:
+                logger.info("%s: the data plane serves again; tensors move over it", self.task)
+            self._dp_retry_at = 0.0
+            self._dp_backoff = 0.0
 
     # -------------------------------------------------------------------- pull
     def pull(

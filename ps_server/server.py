@@ -49,7 +49,7 @@ class ParameterServer(task_process.TaskServer):
     ) -> None:
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
         super().__init__(SERVICE, ParameterServerServicer(self.store, task_index, credentials), _ps_collector,
-                         host, port, credentials, insecure, metrics, max_message_bytes)
+                         host, port, credentials, insecure, metrics, max_message_bytes, liveness=("GetStatus",))
         # The data plane serves Pull/Push beside gRPC (see jaxdist.transport.dataplane), with
         # the same TLS rules as gRPC when this PS serves TLS.
         self.data_plane: dataplane.DataPlaneServer | None = None

@@ -4,6 +4,9 @@
   and metrics (:mod:`~jaxdist.transport.server`), raw-bytes method handlers
   (:mod:`~jaxdist.transport.handlers`); :mod:`~jaxdist.transport.rpc` re-exports
   the three.
+- :mod:`~jaxdist.transport.admission`: the gRPC server's one gate (auth before
+  a call gets a thread, a cap per method, thread lanes), so no caller can
+  starve health checks or liveness calls.
 - :mod:`~jaxdist.transport.guard`: the one mapping of a handler's exception to
   the status its caller gets, for gRPC and the data plane alike.
 - :mod:`~jaxdist.transport.client`: :class:`~jaxdist.transport.client.ServiceClient`,

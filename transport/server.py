@@ -11,80 +11,44 @@
   statuses (:mod:`jaxdist.transport.guard`).
 - **Credentials** (:class:`jaxdist.transport.credentials.Credentials`: the
   token and optional TLS) are given explicitly; there is no process-wide default.
+- **No caller can starve it**: one gate (:mod:`jaxdist.transport.admission`)
+  checks the token before a call gets a thread, caps each method's concurrent
+  calls (RESOURCE_EXHAUSTED beyond) and runs health, liveness methods, each
+  streaming method and the rest on separate thread lanes.
 - **Metrics** (optional): given a Prometheus registry, a server times every
-  call per method (``jaxdist_rpc_server_latency_seconds``) with an
-  interceptor that costs a few microseconds per call.
+  call per method (``jaxdist_rpc_server_latency_seconds``) in that gate, for a
+  few microseconds per call.
 """
 
 from __future__ import annotations
 
-import hmac
 import threading
-import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from jaxdist.base import errors as E
-from jaxdist.proto import status
 from jaxdist.transport.channel import DEFAULT_MAX_MESSAGE_BYTES, dialable_host, is_loopback
-from jaxdist.transport.credentials import AUTH_KEY, PLAINTEXT, Credentials, TLSConfig
+from jaxdist.transport.admission import HEALTH_PREFIX, Gate
+from jaxdist.transport.credentials import PLAINTEXT, Credentials, TLSConfig
 
 __all__ = ["HEALTH_PREFIX", "RPC_LATENCY_BUCKETS", "Server"]
-
-HEALTH_PREFIX = "/grpc.health.v1.Health/"
-
-
-class _AuthInterceptor(grpc.ServerInterceptor):
-    """Rejects every call without the cluster token (health checks excepted)."""
-
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
-
-        def deny(request: Any, context: grpc.ServicerContext) -> None:
-            status.abort(context, E.AuthenticationError("missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token"))
-
-        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream_in = grpc.stream_unary_rpc_method_handler(deny)
-        self._deny_stream_out = grpc.unary_stream_rpc_method_handler(deny)
-        self._deny_bidi = grpc.stream_stream_rpc_method_handler(deny)
-
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        if details.method.startswith(HEALTH_PREFIX):
-            return continuation(details)
-        for key, value in details.invocation_metadata or ():
-            if key == AUTH_KEY:
-                got = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(got, self._expected):
-                    return continuation(details)
-                break
-        handler = continuation(details)
-        if handler is None:
-            return None
-        if handler.request_streaming and handler.response_streaming:
-            return self._deny_bidi
-        if handler.request_streaming:
-            return self._deny_stream_in
-        if handler.response_streaming:
-            return self._deny_stream_out
-        return self._deny_unary
 
 
 #: Buckets of the RPC latency histogram, 50 us .. 30 s.
 RPC_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class _LatencyInterceptor(grpc.ServerInterceptor):
-    """Times every call per method into ``jaxdist_rpc_server_latency_seconds{method}``.
+class _RpcMetrics:
+    """``jaxdist_rpc_server_latency_seconds{method}`` and ``jaxdist_rpc_server_errors_total{method}``.
 
-    Streaming calls are timed until their last message. Calls that end with
-    an exception (an aborted status included) also count in
-    ``jaxdist_rpc_server_errors_total{method}``. Wrapped handlers are cached
-    per (method, handler), so a call costs two clock reads and one
-    histogram observation.
+    Streaming calls are timed until their last message (health Watch, served
+    without a thread, until the stream ends). Calls that end with an exception
+    (an aborted status included) also count as errors. The gate
+    (:mod:`jaxdist.transport.admission`) asks for each method's hooks once, so a
+    call costs two clock reads and one histogram observation.
     """
 
     def __init__(self, registry: Any) -> None:
@@ -94,57 +58,15 @@ class _LatencyInterceptor(grpc.ServerInterceptor):
                                ["method"], registry=registry, buckets=RPC_LATENCY_BUCKETS)
         self._errors = Counter("jaxdist_rpc_server_errors", "RPCs that ended with an error status, by method",
                                ["method"], registry=registry)
-        self._cache: dict[tuple[str, int], grpc.RpcMethodHandler] = {}
+
+    def timer(self, method: str) -> tuple[Callable[[float], None], Callable[[], None]]:
+        return self._hist.labels(method).observe, self._errors.labels(method).inc
 
     def observe(self, method: str, seconds: float, failed: bool) -> None:
         """Record one call served outside gRPC (the data plane) under ``method``."""
         self._hist.labels(method).observe(seconds)
         if failed:
             self._errors.labels(method).inc()
-
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
-        handler = continuation(details)
-        if handler is None:
-            return None
-        key = (details.method, id(handler))
-        wrapped = self._cache.get(key)
-        if wrapped is None:
-            wrapped = self._cache[key] = self._wrap(details.method.lstrip("/"), handler)
-        return wrapped
-
-    def _wrap(self, method: str, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        observe = self._hist.labels(method).observe
-        error = self._errors.labels(method).inc
-        clock = time.perf_counter
-        if h.response_streaming:
-            inner = h.stream_stream if h.request_streaming else h.unary_stream
-
-            def streaming(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-                t0 = clock()
-                try:
-                    yield from inner(request, context)
-                except BaseException:
-                    error()
-                    raise
-                finally:
-                    observe(clock() - t0)
-
-            make = grpc.stream_stream_rpc_method_handler if h.request_streaming else grpc.unary_stream_rpc_method_handler
-            return make(streaming, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
-        inner = h.stream_unary if h.request_streaming else h.unary_unary
-
-        def unary(request: Any, context: grpc.ServicerContext) -> Any:
-            t0 = clock()
-            try:
-                return inner(request, context)
-            except BaseException:
-                error()
-                raise
-            finally:
-                observe(clock() - t0)
-
-        make = grpc.stream_unary_rpc_method_handler if h.request_streaming else grpc.unary_unary_rpc_method_handler
-        return make(unary, request_deserializer=h.request_deserializer, response_serializer=h.response_serializer)
 
 
 class Server:
@@ -157,6 +79,9 @@ class Server:
             loopback or ``insecure`` only) and the TLS material to serve with
             (none: plaintext). The token is checked either way.
         insecure: allow binding a non-loopback host without a token.
+        max_workers: threads of the lane that serves the methods with no lane of their own
+            (see :mod:`jaxdist.transport.admission`).
+        max_message_bytes: largest message sent or received.
         metrics_registry: a Prometheus ``CollectorRegistry``; when given, every
             call is timed into it (``jaxdist_rpc_server_latency_seconds``).
     """
@@ -181,18 +106,12 @@ class Server:
         self.credentials = credentials
         self.tls: TLSConfig | None = credentials.tls
         self._credentials = self.tls.server_credentials() if self.tls is not None else None  # fail early on bad files
-        interceptors: list[grpc.ServerInterceptor] = []
-        self._latency: _LatencyInterceptor | None = None
-        if metrics_registry is not None:
-            self._latency = _LatencyInterceptor(metrics_registry)
-            interceptors.append(self._latency)
-        if token:
-            interceptors.append(_AuthInterceptor(token))
-        # Kept to shut it down in stop(): grpc's server.stop() leaves its executor's threads alive.
-        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxdist-rpc")
+        self._latency = _RpcMetrics(metrics_registry) if metrics_registry is not None else None
+        # Auth, per-method caps and thread lanes, decided before any pool thread is given to a call.
+        self._gate = Gate(token, max_workers, self._latency)
         self._server = grpc.server(
-            self._executor,
-            interceptors=interceptors,
+            self._gate.default_pool,
+            interceptors=[self._gate],
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
                 ("grpc.max_receive_message_length", max_message_bytes),
@@ -218,9 +137,24 @@ class Server:
         if self._latency is not None:
             self._latency.observe(method, seconds, failed)
 
-    def add_service(self, name: str, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+    def add_service(self, name: str, handlers: dict[str, grpc.RpcMethodHandler], liveness: Iterable[str] = ()) -> None:
+        """Serve ``handlers`` as service ``name`` (before :meth:`start`).
+
+        ``liveness``: names of its methods that tell a caller this task is alive (a PS's
+        ``GetStatus``, a worker's ``Heartbeat``). They get their own small thread lane, so
+        stalled or slow calls of other methods never delay them; they must answer at once.
+        """
+        unknown = set(liveness) - set(handlers)
+        if unknown:
+            raise E.ConfigurationError(f"liveness methods {sorted(unknown)} are not methods of {name}")
+        self._gate.add_liveness({f"/{name}/{m}" for m in liveness})
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
         self._services.append(name)
+
+    def in_flight(self, method: str) -> int:
+        """Calls of ``method`` (``"/pkg.Service/Method"``) admitted and not yet ended (see
+        :mod:`jaxdist.transport.admission`: each method admits a bounded number)."""
+        return self._gate.in_flight(method)
 
     def start(self) -> int:
         bind = f"{self.host}:{self.requested_port}"
@@ -249,8 +183,8 @@ class Server:
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         # Not waiting: a handler still running user code (a closure) must not hold stop() up;
-        # idle threads exit now, busy ones when their call returns.
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        # idle lane threads exit now, busy ones when their call returns.
+        self._gate.close()
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)

@@ -30,7 +30,7 @@ class WorkerServer(task_process.TaskServer):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = rpc.PLAINTEXT,
                  insecure: bool = False, task_index: int = 0, metrics: MetricsExporter | None = None) -> None:
         super().__init__(SERVICE, WorkerServicer(task_index, credentials), _worker_collector, host, port, credentials,
-                         insecure, metrics)
+                         insecure, metrics, liveness=("Heartbeat",))
 
 
 def _worker_collector(servicer: WorkerServicer) -> Any:

@@ -379,6 +379,8 @@ class CoordinationService:
                 ),
                 "Leave": rpc.unary_handler("Leave", _parser({"rank": int}), self._leave),
             },
+            # Heartbeats on their own thread lane: ranks blocked in WaitAll never delay them.
+            liveness=("Heartbeat",),
         )
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None

@@ -405,7 +405,8 @@ def test_connection_limit_and_stop() -> None:
         first = socket.create_connection(("127.0.0.1", s.port), timeout=5)
         assert _hello(first) == (0, "")
         with socket.create_connection(("127.0.0.1", s.port), timeout=5) as second:
-            assert _read_status(second)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            # The cap counts authenticated connections only: a token holder is told after its hello.
+            assert _hello(second)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         # A client refused at connect learns that nothing was sent (PSClient then uses gRPC).
         c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         with pytest.raises(dataplane.DataPlaneError) as e:
@@ -662,16 +663,12 @@ def test_local_cluster_workers_and_coordinator_use_shared_memory() -> None:
 
 @needs_shm
 def test_server_that_cannot_map_a_region_keeps_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = shm.mmap.mmap
-    made: list[int] = []
+    # The server reads a peer's region through its file (it never maps it): a read that fails
+    # (e.g. ENOMEM) refuses the region, and the connection goes on over the socket.
+    def read_failing(self: shm.PeerRegion) -> bytes:
+        raise OSError(12, "Cannot allocate memory")
 
-    def mmap_failing_on_the_server(fd: int, size: int, *a: object, **kw: object) -> object:
-        made.append(size)
-        if len(made) == 2:  # the client's own mapping is the first; the server's the second
-            raise OSError(12, "Cannot allocate memory")
-        return real(fd, size, *a, **kw)
-
-    monkeypatch.setattr(shm.mmap, "mmap", mmap_failing_on_the_server)
+    monkeypatch.setattr(shm.PeerRegion, "nonce", read_failing)
     with _echo_server() as s:
         c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)

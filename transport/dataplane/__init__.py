@@ -47,7 +47,8 @@ shared mapping cost ~0.2. So a client first offers a shared-memory region
 0600, pages reserved with ``posix_fallocate`` so a full tmpfs fails here
 and not with SIGBUS later), writes a random nonce at its start and sends the
 name, the nonce and the slot size. A server that can open that file (same
-host, same ``/dev/shm``, same user) and reads the same nonce maps it and
+host, same ``/dev/shm``, same user) and reads the same nonce keeps it open (and
+copies through the file, never a mapping: see :mod:`.shm`) and
 answers OK; the client then unlinks the file, so nothing is left behind even
 if both processes are SIGKILLed later. A server on another host answers
 FAILED_PRECONDITION and the client stops offering. ``JAXDIST_SHM=0`` turns

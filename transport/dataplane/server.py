@@ -1,10 +1,29 @@
-"""The data plane's server: a listening socket and one thread per connection, calls answered through the guard."""
+"""The data plane's server: a listening socket and one thread per connection, calls answered through the guard.
+
+Connection budgets (issue 19, item 3). A connection is *pending* from accept until
+its hello is done and *authenticated* after:
+
+- Pending connections have a budget of their own (:data:`DEFAULT_MAX_PENDING`) and
+  never take one of the ``max_connections`` slots, so peers without the token
+  cannot hold the slots token holders need. When the pending budget is full, the
+  oldest pending connection is closed to admit the new one: a flood of idle
+  connections then only churns among themselves, while a real client's hello
+  (sent right after connect) completes long before it could become the oldest.
+- The whole hello (with the TLS handshake before it) has one deadline,
+  :data:`HELLO_TIMEOUT_S`, however the bytes are dribbled in.
+- The ``max_connections`` cap is checked after the hello: a token holder beyond it
+  is told RESOURCE_EXHAUSTED (and its client comes back later,
+  :class:`jaxdist.ps_server.client.PSClient` backs off and retries); a peer without
+  the token learns nothing about it.
+"""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -15,7 +34,7 @@ import grpc
 import numpy as np
 
 from jaxdist.base import errors as E
-from jaxdist.transport.credentials import PLAINTEXT, Credentials, tls_handshake
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.transport.dataplane.framing import (
     HELLO,
     HELLO_MAGIC,
@@ -39,10 +58,15 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "DataPlaneServer", "Handler", "Payload"]
 
-#: Connections one server accepts at once; more are refused with RESOURCE_EXHAUSTED.
+#: Authenticated connections one server keeps at once; more are refused RESOURCE_EXHAUSTED after their hello.
 DEFAULT_MAX_CONNECTIONS = 1024
-#: A client that connected must say hello within this time.
+#: Connections still before or in their hello; beyond this the oldest is closed.
+DEFAULT_MAX_PENDING = 64
+#: A client that connected must have finished its hello (TLS handshake included) within this time.
 HELLO_TIMEOUT_S = 10.0
+#: Largest payload one request may announce (bigger: RESOURCE_EXHAUSTED, connection closed, since it
+#: cannot be drained); far above any tensor a PS holds, and it keeps every deadline computable.
+DEFAULT_MAX_PAYLOAD_BYTES = 1 << 40
 #: Server side bound on one started request: base + bytes at a slow rate.
 _REQUEST_BASE_S = 30.0
 _REQUEST_MIN_RATE = 20e6
@@ -95,6 +119,9 @@ class DataPlaneServer:
             only) and, when it has TLS material, the certificate to serve TLS with (the
             handshake precedes the hello).
         observe: optional ``observe(method_name, seconds, failed)`` per call (metrics).
+        max_connections: authenticated connections at once (RESOURCE_EXHAUSTED after the hello beyond).
+        max_pending: connections before or in their hello at once (the oldest is closed beyond).
+        max_payload_bytes: largest payload a request may announce (RESOURCE_EXHAUSTED beyond).
         shared_memory: accept same-host clients' shared-memory regions (also needs
             :func:`shm_enabled`); at most ``max_shm_connections`` at once.
 
@@ -109,6 +136,8 @@ class DataPlaneServer:
         port: int = 0,
         credentials: Credentials = PLAINTEXT,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         observe: Callable[[str, float, bool], None] | None = None,
         shared_memory: bool = True,
         max_shm_connections: int = DEFAULT_MAX_SHM_CONNECTIONS,
@@ -124,6 +153,10 @@ class DataPlaneServer:
         self.port: int | None = None
         self._token = credentials.token.encode() if credentials.token else None
         self._max_connections = max_connections
+        self._max_pending = max(1, max_pending)
+        self._max_payload = max_payload_bytes
+        # Pending connections, oldest first (dicts keep insertion order); the value is unused.
+        self._pending: dict[_Pending, None] = {}
         self._observe = observe
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
@@ -173,6 +206,7 @@ class DataPlaneServer:
             time.sleep(0.01)
         with self._lock:
             conns, threads = list(self._conns), list(self._threads)
+            conns += [p.sock for p in self._pending]
         for c in conns:
             shutdown(c)
         end = time.monotonic() + 5.0
@@ -190,8 +224,15 @@ class DataPlaneServer:
 
     @property
     def connections(self) -> int:
+        """Authenticated connections (those that count against ``max_connections``)."""
         with self._lock:
             return len(self._conns)
+
+    @property
+    def pending(self) -> int:
+        """Connections before or in their hello."""
+        with self._lock:
+            return len(self._pending)
 
     @property
     def shm_connections(self) -> int:
@@ -209,61 +250,72 @@ class DataPlaneServer:
                     return
                 time.sleep(0.01)  # e.g. EMFILE: do not spin
                 continue
+            pending = _Pending(conn)
             with self._lock:
-                if len(self._conns) >= self._max_connections:
-                    busy = True
-                else:
-                    busy = False
-                    self._conns.add(conn)
-            if busy:
-                if self._tls is not None:
-                    conn.close()  # no plaintext error for a TLS client: it sees the handshake fail
-                else:
-                    self._refuse(conn, E.PayloadTooLargeError(f"data plane: more than {self._max_connections} connections"))
-                continue
-            t = threading.Thread(target=self._serve, args=(conn,), name="jaxdist-dataplane-conn", daemon=True)
+                evict = None
+                if len(self._pending) >= self._max_pending:
+                    evict = next(iter(self._pending))
+                    del self._pending[evict]
+                self._pending[pending] = None
+            if evict is not None:
+                shutdown(evict.sock)  # its thread wakes up and ends that connection
+            t = threading.Thread(target=self._serve, args=(pending,), name="jaxdist-dataplane-conn", daemon=True)
             with self._lock:
                 self._threads.add(t)
             t.start()
 
-    @staticmethod
-    def _refuse(conn: socket.socket, exc: E.JaxdistError) -> None:
-        try:
-            conn.settimeout(1.0)
-            conn.sendall(error_response(exc))
-        except OSError:
-            pass
-        finally:
-            conn.close()
-
-    def _hello(self, conn: socket.socket) -> bool:
-        conn.settimeout(HELLO_TIMEOUT_S)
-        magic, token_len = HELLO.unpack(recv_exact(conn, HELLO.size))
+    def _hello(self, conn: socket.socket, deadline: float) -> bool:
+        """Read and check the hello (all of it before ``deadline``); answer it unless the cap is full."""
+        magic, token_len = HELLO.unpack(recv_exact(conn, HELLO.size, deadline))
         if magic != HELLO_MAGIC or token_len > MAX_TOKEN_BYTES:
             conn.sendall(error_response(E.InvalidRequestError("data plane: not a jaxdist data-plane client (bad hello)")))
             return False
-        token = recv_exact(conn, token_len)
+        token = recv_exact(conn, token_len, deadline)
         if self._token is not None and not hmac.compare_digest(token, self._token):
             conn.sendall(error_response(E.AuthenticationError(
                 "data plane: missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token")))
             return False
-        conn.sendall(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
         return True
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _promote(self, pending: _Pending) -> str:
+        """Move a connection whose hello passed from the pending budget to the authenticated one."""
+        with self._lock:
+            if pending not in self._pending:
+                return "evicted"  # closed meanwhile as the oldest pending (or by stop)
+            del self._pending[pending]
+            if self._stopped.is_set():
+                return "stopped"
+            if len(self._conns) >= self._max_connections:
+                return "full"
+            self._conns.add(pending.sock)
+            return "ok"
+
+    def _serve(self, pending: _Pending) -> None:
         chan: Channel | None = None
+        conn = pending.sock
         try:
             tune(conn)
+            deadline = time.monotonic() + HELLO_TIMEOUT_S  # one deadline for the handshake and the whole hello
             if self._tls is not None:
                 conn.settimeout(HELLO_TIMEOUT_S)
-                secure = tls_handshake(self._tls, conn, server_side=True)  # ``conn`` is detached
+                secure = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
                 with self._lock:
-                    self._conns.discard(conn)
-                    self._conns.add(secure)
+                    pending.sock = secure  # ``conn`` is detached: eviction must shut the TLS socket down
                 conn = secure
+                _handshake(secure, deadline)
             chan = Channel(conn)
-            if not self._hello(conn):
+            if not self._hello(conn, deadline):
                 return
+            promoted = self._promote(pending)
+            if promoted == "full":
+                conn.settimeout(max(0.001, deadline - time.monotonic()))
+                conn.sendall(error_response(E.PayloadTooLargeError(
+                    f"data plane: {self._max_connections} connections already open; use gRPC and retry later")))
+                return
+            if promoted != "ok":
+                return
+            conn.settimeout(max(0.001, deadline - time.monotonic()))
+            conn.sendall(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
             while not self._stopped.is_set():
                 conn.settimeout(None)  # idle between calls; keepalive finds dead peers
                 try:
@@ -290,6 +342,7 @@ class DataPlaneServer:
             with self._lock:
                 if chan is not None and chan.region is not None:
                     self._shm_conns -= 1
+                self._pending.pop(pending, None)
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
             if chan is not None:
@@ -331,6 +384,12 @@ class DataPlaneServer:
                 f"unknown method {method}" if handler is None else f"header of {header_len} bytes is too large")
             conn.sendall(error_response(E.InvalidRequestError(f"data plane: {what}")))
             return False
+        if payload_len > self._max_payload:
+            # Cannot be drained (nor could its deadline be computed): answer, then end the connection.
+            conn.sendall(error_response(E.PayloadTooLargeError(
+                f"data plane: request announces {payload_len} payload bytes, more than this server's "
+                f"limit of {self._max_payload}")))
+            return False
         t0 = time.perf_counter()
         deadline = time.monotonic() + _REQUEST_BASE_S + (header_len + payload_len) / _REQUEST_MIN_RATE
         conn.settimeout(max(0.001, deadline - time.monotonic()))
@@ -359,6 +418,37 @@ class DataPlaneServer:
     def _fail(conn: socket.socket, payload: Payload, exc: E.JaxdistError) -> None:
         payload.drain()
         conn.sendall(error_response(exc))
+
+
+class _Pending:
+    """One connection while it counts in the pending budget (its socket changes when TLS wraps it)."""
+
+    __slots__ = ("sock",)
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+
+def _handshake(sock: ssl.SSLSocket, deadline: float) -> None:
+    """The TLS handshake, finished before ``deadline`` however slowly the peer sends its bytes."""
+    sock.setblocking(False)
+    try:
+        while True:
+            try:
+                sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                events = select.POLLIN
+            except ssl.SSLWantWriteError:
+                events = select.POLLOUT
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("data plane: TLS handshake took longer than the hello deadline")
+            poller = select.poll()
+            poller.register(sock, events)
+            poller.poll(left * 1000)
+    finally:
+        sock.setblocking(True)
 
 
 def _connection_lost(exc: Exception) -> bool:

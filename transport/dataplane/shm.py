@@ -1,10 +1,18 @@
 """Same-host shared memory for the data plane: regions, and how one connection moves payloads.
 
-A client creates a region file in ``/dev/shm``, the server maps it
+A client creates a region file in ``/dev/shm``, the server opens it
 (``ShmAttach``, see :mod:`jaxdist.transport.dataplane`), and the client unlinks
 it. :class:`Channel` then moves each payload of one connection either on its
 socket or, for payloads of at least :data:`SHM_MIN_PAYLOAD` bytes, through the
 region's two slots, ordered by one-byte tokens on the socket.
+
+The two ends hold a region differently. The client that made it maps it
+(:class:`Region`): it is its own file. The server never maps a peer's file: it
+keeps the file descriptor and copies with ``preadv``/``pwrite``
+(:class:`PeerRegion`, one kernel copy per byte, like ``memcpy`` from a mapping).
+A same-user peer can truncate its file after ShmAttach; through a mapping the
+next access would be SIGBUS and kill the server (issue 19, item 9), through the
+descriptor it is a short read, which ends that one connection.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "ATTACH",
+    "PeerRegion",
     "DEFAULT_MAX_SHM_CONNECTIONS",
     "ENV_SHM",
     "SHM_DIR",
@@ -93,12 +102,58 @@ class Region:
     def nonce(self) -> bytes:
         return bytes(self._mm[:16])
 
+    def read(self, slot: int, offset: int, dst: np.ndarray) -> None:
+        """Copy ``dst.nbytes`` bytes at ``offset`` of ``slot`` into ``dst`` (uint8, contiguous)."""
+        dst[:] = self.slots[slot][offset:offset + dst.nbytes]
+
+    def write(self, slot: int, offset: int, src: np.ndarray) -> None:
+        """Copy ``src`` (uint8, contiguous) to ``offset`` of ``slot``."""
+        self.slots[slot][offset:offset + src.nbytes] = src
+
     def close(self) -> None:
         self.slots = ()  # numpy views pin the mapping; drop them before closing it
         try:
             self._mm.close()
         except BufferError:  # a view escaped somewhere: the mapping goes when it does
             logger.debug("shared-memory region still referenced at close")
+
+
+class PeerRegion:
+    """A peer's region as the server holds it: the open file, never a mapping (see the module docstring).
+
+    A region the peer shrank reads short: :meth:`read` raises ``ConnectionError``
+    (that connection ends; the server goes on).
+    """
+
+    def __init__(self, fd: int, slot_bytes: int) -> None:
+        self._fd = fd
+        self.slot_bytes = slot_bytes
+
+    def _offset(self, slot: int, offset: int) -> int:
+        return _SHM_HEAD + slot * self.slot_bytes + offset
+
+    def nonce(self) -> bytes:
+        return os.pread(self._fd, 16, 0)
+
+    def read(self, slot: int, offset: int, dst: np.ndarray) -> None:
+        view, pos = codec.as_memoryview(dst).cast("B"), self._offset(slot, offset)
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], pos + done)
+            if got <= 0:
+                raise ConnectionError("data plane: the peer's shared-memory region shrank under a transfer")
+            done += got
+
+    def write(self, slot: int, offset: int, src: np.ndarray) -> None:
+        view, pos = codec.as_memoryview(src).cast("B"), self._offset(slot, offset)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], pos + done)
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def create_region(slot_bytes: int) -> tuple[str, Region] | None:
@@ -125,8 +180,8 @@ def create_region(slot_bytes: int) -> tuple[str, Region] | None:
     return path, Region(mm, slot_bytes)
 
 
-def open_region(header: bytes) -> Region:
-    """The server's half of ShmAttach: map the client's region named in ``header``, or raise a typed error."""
+def open_region(header: bytes) -> PeerRegion:
+    """The server's half of ShmAttach: open the client's region named in ``header``, or raise a typed error."""
     if len(header) < ATTACH.size:
         raise E.InvalidRequestError("ShmAttach: header too short")
     slot_bytes, nonce = ATTACH.unpack_from(header)
@@ -141,20 +196,20 @@ def open_region(header: bytes) -> Region:
     except OSError as e:  # another host (or container, or user): the client falls back to the socket
         raise E.RemoteError(f"ShmAttach: cannot open {path} here ({e.strerror})",
                             code=grpc.StatusCode.FAILED_PRECONDITION) from None
+    region = PeerRegion(fd, slot_bytes)  # owns ``fd`` from here on
     try:
         st = os.fstat(fd)
         size = Region.size(slot_bytes)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
             raise E.InvalidRequestError(f"ShmAttach: {path} is not a {size}-byte region file of this user")
-        mm = mmap.mmap(fd, size)
-    except OSError as e:  # e.g. ENOMEM: this connection stays on the socket, the server goes on
-        raise E.RemoteError(f"ShmAttach: cannot map {path} ({e.strerror})", code=grpc.StatusCode.RESOURCE_EXHAUSTED) from None
-    finally:
-        os.close(fd)
-    region = Region(mm, slot_bytes)
-    if not hmac.compare_digest(region.nonce(), nonce):
+        if not hmac.compare_digest(region.nonce(), nonce):
+            raise E.RemoteError(f"ShmAttach: {path} holds another region", code=grpc.StatusCode.FAILED_PRECONDITION)
+    except OSError as e:  # this connection stays on the socket, the server goes on
         region.close()
-        raise E.RemoteError(f"ShmAttach: {path} holds another region", code=grpc.StatusCode.FAILED_PRECONDITION)
+        raise E.RemoteError(f"ShmAttach: cannot read {path} ({e.strerror})", code=grpc.StatusCode.RESOURCE_EXHAUSTED) from None
+    except BaseException:
+        region.close()
+        raise
     return region
 
 
@@ -180,10 +235,10 @@ class Channel:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.region: Region | None = None
+        self.region: Region | PeerRegion | None = None
         self._due = 0  # acknowledgements this end still has to read
 
-    def attach(self, region: Region) -> None:
+    def attach(self, region: Region | PeerRegion) -> None:
         self.region = region
 
     def close(self) -> None:
@@ -214,7 +269,7 @@ class Channel:
             return
         assert self.region is not None
         self.settle(deadline)
-        slots, size = self.region.slots, self.region.slot_bytes
+        region, size = self.region, self.region.slot_bytes
         chunk = filled = 0
         for v in views:
             pos, n = 0, v.nbytes
@@ -222,7 +277,7 @@ class Channel:
                 if filled == 0:
                     self.settle(deadline, keep=1)  # the slot we are about to fill held chunk - 2
                 take = min(n - pos, size - filled)
-                slots[chunk & 1][filled:filled + take] = v[pos:pos + take]
+                region.write(chunk & 1, filled, v[pos:pos + take])
                 filled += take
                 pos += take
                 if filled == size:
@@ -239,12 +294,12 @@ class Channel:
         self._due += 1
 
     def _chunks(self, total: int, deadline: float | None) -> Any:
-        """Yield each chunk's bytes in its slot, acknowledging it once the caller is done with it."""
+        """Yield each chunk's ``(slot, length)`` once it is ready, acknowledging it once the caller is done with it."""
         assert self.region is not None
         size = self.region.slot_bytes
         for i, start in enumerate(range(0, total, size)):
             self._token(_DATA, deadline)
-            yield self.region.slots[i & 1][:min(size, total - start)]
+            yield i & 1, min(size, total - start)
             self.sock.sendall(_ACK)
 
     def recv_into(self, arrays: Sequence[np.ndarray], deadline: float | None) -> None:
@@ -254,15 +309,17 @@ class Channel:
             for v in views:
                 recv_into(self.sock, codec.as_memoryview(v), deadline)
             return
+        region = self.region
+        assert region is not None
         it = iter(views)
         dst, pos = next(it), 0
-        for src in self._chunks(total, deadline):
+        for slot, length in self._chunks(total, deadline):
             off = 0
-            while off < src.nbytes:
+            while off < length:
                 if pos == dst.nbytes:
                     dst, pos = next(it), 0
-                take = min(src.nbytes - off, dst.nbytes - pos)
-                dst[pos:pos + take] = src[off:off + take]
+                take = min(length - off, dst.nbytes - pos)
+                region.read(slot, off, dst[pos:pos + take])
                 off += take
                 pos += take
 

@@ -1,0 +1,113 @@
+"""The gRPC server's gate (jaxdist.transport.admission): per-method caps, lanes, the token-less read deadline."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from conftest import CREDS, TOKEN, poll_for
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from jaxdist.transport import admission
+from jaxdist.transport.handlers import stream_in_handler, unary_handler
+from jaxdist.transport.server import Server
+
+pytestmark = pytest.mark.timeout(60)
+
+MD = (("authorization", f"Bearer {TOKEN}"),)
+
+
+class _Empty:
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf method name
+        return b""
+
+
+def _drain(frames: Iterator[bytes], context: grpc.ServicerContext) -> _Empty:
+    for _ in frames:
+        pass
+    return _Empty()
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server(credentials=CREDS)
+    s.add_service("t.Svc", {
+        "Drain": stream_in_handler("Drain", _drain),
+        "Ping": unary_handler("Ping", lambda raw: raw, lambda req, ctx: _Empty()),
+    }, liveness=["Ping"])
+    s.start()
+    yield s
+    s.stop(grace=None)
+
+
+class _Held:
+    """Calls whose request never ends until ``close``."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[Any] = []
+
+    def frames(self) -> Iterator[bytes]:
+        yield b"x"
+        self.release.wait()
+
+    def close(self) -> None:
+        self.release.set()
+        for c in self.calls:
+            c.cancel()
+
+
+def test_a_method_admits_at_most_its_cap_and_releases_on_end(server: Server) -> None:
+    ch = grpc.insecure_channel(server.address)
+    held = _Held()
+    drain = ch.stream_unary("/t.Svc/Drain")
+    ping = ch.unary_unary("/t.Svc/Ping")
+    try:
+        for _ in range(admission.STREAMS.cap):
+            held.calls.append(drain.future(held.frames(), metadata=MD))
+        poll_for(lambda: server.in_flight("/t.Svc/Drain") == admission.STREAMS.cap, 30, what="the streams to be admitted")
+        with pytest.raises(grpc.RpcError) as e:
+            drain(iter([b"y"]), metadata=MD, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ping(b"", metadata=MD, timeout=2) == b""  # another lane: answers at once
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1
+    finally:
+        held.close()
+    poll_for(lambda: server.in_flight("/t.Svc/Drain") == 0, 30, what="the ended streams to leave the cap")
+    assert drain(iter([b"y"]), metadata=MD, timeout=10) == b""
+    ch.close()
+
+
+def test_a_denied_call_takes_no_slot_and_reads_nothing(server: Server) -> None:
+    ch = grpc.insecure_channel(server.address)
+    held = _Held()
+    try:
+        for _ in range(3 * admission.STREAMS.cap):  # token-less: refused before anything is read
+            held.calls.append(ch.stream_unary("/t.Svc/Drain").future(held.frames()))
+        for c in held.calls:
+            assert c.exception(timeout=10).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert server.in_flight("/t.Svc/Drain") == 0
+    finally:
+        held.close()
+        ch.close()
+
+
+def test_a_tokenless_request_that_never_arrives_is_cancelled(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(admission, "TOKENLESS_REQUEST_TIMEOUT_S", 0.5)
+    ch = grpc.insecure_channel(server.address)
+    held = _Held()
+
+    def nothing() -> Iterator[bytes]:
+        held.release.wait()
+        yield b""
+
+    try:
+        call = ch.stream_unary("/grpc.health.v1.Health/Check").future(nothing())
+        poll_for(lambda: call.done(), 30, what="the stalled health Check to be cancelled")
+        assert server.in_flight("/grpc.health.v1.Health/Check") == 0
+    finally:
+        held.close()
+        ch.close()
