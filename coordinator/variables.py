@@ -27,7 +27,7 @@ from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
-from jaxdist.worker.context import current_ps, next_update_id
+from jaxdist.worker.context import current_contributor, current_ps, next_update_id, note_sync_step
 
 __all__ = [
     "Variable",
@@ -241,17 +241,33 @@ def pull_arrays(
     for i, v in enumerate(variables):
         by_ps[v.ps_index].append(i)
     conns = _connections_of(variables)
-    calls = {
-        ps: (
-            lambda c, idxs=idxs: c.pull(
-                [_pull_spec(variables[i], dtype) for i in idxs],
-                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                out=None if out is None else [out[i] for i in idxs],
+    contributor = current_contributor()
+    if contributor >= 0:
+        # A worker's closure: under synchronous or bounded-stale training each PS first holds the
+        # pull at its step barrier; every PS reports the step this worker's next gradients join.
+        stepped = conns.fan_out({
+            ps: (
+                lambda c, idxs=idxs: c.pull_at_barrier(
+                    [_pull_spec(variables[i], dtype) for i in idxs], contributor,
+                    timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+                    out=None if out is None else [out[i] for i in idxs],
+                )
             )
-        )
-        for ps, idxs in by_ps.items()
-    }
-    results = conns.fan_out(calls)
+            for ps, idxs in by_ps.items()
+        })
+        note_sync_step(max(step for _, step in stepped.values()))
+        results = {ps: res for ps, (res, _) in stepped.items()}
+    else:
+        results = conns.fan_out({
+            ps: (
+                lambda c, idxs=idxs: c.pull(
+                    [_pull_spec(variables[i], dtype) for i in idxs],
+                    timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+                    out=None if out is None else [out[i] for i in idxs],
+                )
+            )
+            for ps, idxs in by_ps.items()
+        })
     values: list[Any] = [None] * len(variables)
     for ps, idxs in by_ps.items():
         for i, (value, _version) in zip(idxs, results[ps]):
@@ -380,7 +396,21 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
         op = Op(op)
         by_ps[var.ps_index].append(Update(var.name, op, ps_wire.wire_value(value, var.dtype, op), idx))
     update_id = next_update_id()
-    _connections_of([var for var, *_ in updates]).fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+    conns = _connections_of([var for var, *_ in updates])
+    contributor = current_contributor()
+    if contributor < 0:
+        conns.fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+        return
+    # A worker's closure. Under synchronous or bounded-stale training each PS stages the gradients
+    # for this worker's step; the step is committed on *every* PS only once all pushes landed, so a
+    # committed contribution is on every PS (a worker that dies between the two never half-commits).
+    # With one PS task the push commits itself.
+    single = len(conns.clients) == 1
+    answers = conns.fan_out({ps: (lambda c, s=specs: c.push_step(s, update_id, contributor, commit=single))
+                             for ps, specs in by_ps.items()})
+    if not single and any(a.staged for a in answers.values()):
+        conns.fan_out({ps: (lambda c: c.sync_steps(ps_wire.SyncKind.COMMIT, contributor))
+                       for ps in range(len(conns.clients))})
 
 
 def gradient_updates(var: VariableOps, grad: Any, transfer_dtype: Any = None, broadcast: bool = True) -> list[ShardUpdate]:

@@ -32,6 +32,8 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
         E.WorkerRestartedError,
         E.NotPrimaryError,
         E.StaleEpochError,
+        E.StepMembershipError,
+        E.StepBarrierTimeoutError,
     )
 }
 

@@ -35,8 +35,11 @@ __all__ = [
     "current",
     "current_num_workers",
     "current_ps",
+    "current_contributor",
+    "current_sync_step",
     "current_worker_index",
     "next_update_id",
+    "note_sync_step",
     "use",
 ]
 
@@ -49,12 +52,14 @@ class ClosureIdentity:
     applies each of them at most once.
     """
 
-    __slots__ = ("prefix", "_seq", "_lock")
+    __slots__ = ("prefix", "_seq", "_lock", "sync_step")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self._seq = 0
         self._lock = threading.Lock()
+        #: The synchronous step this closure's gradients belong to, as its last pull learnt it (-1: none).
+        self.sync_step = -1
 
     def next_update_id(self) -> str:
         with self._lock:
@@ -144,6 +149,32 @@ def next_update_id() -> str:
     if ctx is None or ctx.identity is None:
         return ""
     return ctx.identity.next_update_id()
+
+
+def current_contributor() -> int:
+    """The worker index of the running closure, which takes part in synchronous steps under it;
+    -1 outside a closure (the coordinator's own pulls and pushes never wait or stage)."""
+    ctx = _current.get()
+    if ctx is None or ctx.identity is None or ctx.worker_index is None:
+        return -1
+    return ctx.worker_index
+
+
+def note_sync_step(step: int) -> None:
+    """Record the synchronous step the running closure's pull reported (see :func:`current_sync_step`)."""
+    ctx = _current.get()
+    if ctx is not None and ctx.identity is not None:
+        ctx.identity.sync_step = step
+
+
+def current_sync_step() -> int:
+    """Inside a closure of synchronous or bounded-stale training: the step its gradients join (learnt
+    by its last pull; the step it computes on has at least ``step - staleness`` steps applied).
+    -1 before a pull, under asynchronous training, or outside a closure."""
+    ctx = _current.get()
+    if ctx is None or ctx.identity is None:
+        return -1
+    return ctx.identity.sync_step
 
 
 def current_worker_index() -> int:

@@ -58,6 +58,7 @@ from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
 from jaxdist.cluster_coordinator.ps_recovery import PSWatcher
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues, RemoteValue
 from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer
+from jaxdist.cluster_coordinator.sync_barrier import StepBarrier
 from jaxdist.proto import worker_pb2
 from jaxdist.transport import rpc
 
@@ -139,6 +140,10 @@ class Cluster:
         self._active = len(self._workers)  # workers not departed (changed under the membership lock)
         self._leaving: set[int] = set()  # being removed (under the membership lock)
         self.ps_watcher: PSWatcher | None = None
+        #: Membership of the synchronous / bounded-stale steps (None: asynchronous training).
+        self.steps: StepBarrier | None = None
+        if strategy.staleness is not None:
+            self.steps = StepBarrier(strategy.connections, strategy.staleness, queue)
 
     def _new_handle(self, index: int, address: str) -> WorkerHandle:
         self.failures.add_worker(index)
@@ -146,6 +151,10 @@ class Cluster:
                             settings=self._settings, host=self)
 
     def start(self) -> None:
+        if self.steps is not None:
+            # No member yet: each worker joins when it is first configured (before it takes a
+            # closure), so steps never wait for a worker that never came up.
+            self.steps.start(())
         for w in list(self._workers):
             w.start()
 
@@ -159,6 +168,8 @@ class Cluster:
         handles of the workers still taking part (to tell them the job is over, then close them)."""
         if self.ps_watcher is not None:
             self.ps_watcher.stop()
+        if self.steps is not None:
+            self.steps.stop()
         workers = list(self._workers)
         for w in workers:
             w.stop()
@@ -214,6 +225,8 @@ class Cluster:
             self.failures.remove_worker(index)
             self._active -= 1
             self._leaving.discard(index)
+        if self.steps is not None:
+            self.steps.worker_failed(index)  # steps no longer wait for it
         self.queue.drop_tagged(index)
         w.close()
         logger.info("worker:%d (%s) left", index, w.address)
@@ -259,6 +272,8 @@ class Cluster:
         )
 
     def worker_configured(self, handle: WorkerHandle, incarnation: str) -> None:
+        if self.steps is not None:  # (re)joins the steps before it takes a closure
+            self.steps.worker_joined(handle.index)
         # Under the resource lock: a resource created meanwhile either sees the worker healthy (and
         # queues it there) or is among the resources rebuilt here; never neither.
         with self._resource_lock:
@@ -282,6 +297,10 @@ class Cluster:
                 self._workers[d.worker].forget_function(d.digest)
             elif type(d) is fh.DeclareDead:
                 self._workers[d.worker].cancel_inflight()
+                if self.steps is not None:
+                    # Synchronously, before the Retry decisions that follow: the re-run of its
+                    # closure must not meet its old staged contribution.
+                    self.steps.worker_failed(d.worker)
             elif type(d) is fh.RebuildResources:
                 self._workers[d.worker].forget_functions()
                 # Resources die with the process: rebuild them first, in creation order.
@@ -333,6 +352,13 @@ class ClusterCoordinator:
         closure_timeout: deadline of one RunClosures call (None: no limit;
             liveness is covered by heartbeats).
         max_queued: closures queued before ``schedule`` blocks.
+
+    With a strategy made with ``staleness`` (synchronous or bounded-stale
+    training) each worker takes one closure at a time (``closures_per_rpc``
+    is 1: a worker holding a batch would hold several steps' closures while
+    it waits at the barrier), failed workers leave the steps and workers that
+    come back rejoin them (:mod:`jaxdist.cluster_coordinator.sync_barrier`),
+    and ``join`` applies a last partial step.
     """
 
     #: Seconds a primary may stay unreachable before its backup is promoted (read when the
@@ -358,7 +384,7 @@ class ClusterCoordinator:
         #: Token and TLS material of every call (the strategy's).
         self.credentials = strategy.credentials
         self.run_id = uuid.uuid4().hex[:12]
-        self.closures_per_rpc = max(1, closures_per_rpc)
+        self.closures_per_rpc = max(1, closures_per_rpc) if strategy.staleness is None else 1
         self.heartbeat_interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.closure_timeout = closure_timeout
@@ -447,6 +473,10 @@ class ClusterCoordinator:
                 "this cluster replicates its PS tasks (a 'ps_backup' job): failover already keeps every "
                 "acknowledged update; checkpoint-mode recovery is for clusters without backups"
             )
+        if self.strategy.staleness is not None:
+            raise E.ConfigurationError(
+                "checkpoint-mode PS recovery does not combine with staleness= (synchronous steps): a restored PS "
+                "would lose the staged gradients of the step being formed; use asynchronous training for it")
         if self._cluster.ps_watcher is not None:
             return
         self._cluster.failures.set_ps_mode(PSMode.CHECKPOINT, ps_timeout=timeout)
@@ -519,6 +549,14 @@ class ClusterCoordinator:
         """
         if not self._queue.wait(timeout):
             raise TimeoutError(f"join() timed out after {timeout}s with {self._queue.queued} closures queued and {self._queue.inflight} running")
+        steps = self._cluster.steps
+        if steps is not None:
+            steps.flush()  # a last, partial step: workers without a closure for it skip it
+
+    @property
+    def step_barrier(self) -> StepBarrier | None:
+        """The synchronous steps' membership and the PS tasks' step clocks (None: asynchronous training)."""
+        return self._cluster.steps
 
     def done(self) -> bool:
         """True when no closure is queued or running; raises like :meth:`join`."""

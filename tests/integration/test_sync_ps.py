@@ -1,0 +1,188 @@
+"""Synchronous and bounded-stale parameter-server training on an in-process cluster (2 PS, 2 workers
+as real gRPC servers): the PS aggregates each step's gradients and applies their mean once; a worker
+never runs more than ``staleness`` steps ahead of the slowest. SIGKILLed workers are in
+``tests/multiprocess/test_sync_ps_staleness.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxdist
+from jaxdist.testing import InProcessCluster, poll_for
+
+import inprocess_gates as gates
+
+pytestmark = pytest.mark.timeout(180)
+
+BATCH = 16
+
+
+def batch_for(worker: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """A deterministic batch per (worker, step): the equivalence test rebuilds the combined batch from it."""
+    rng = np.random.default_rng(1000 * step + worker)
+    x = rng.normal(size=(BATCH, 8)).astype(np.float32)
+    y = (x @ np.arange(24, dtype=np.float32).reshape(8, 3) / 10 + 0.5).astype(np.float32)
+    return x, y
+
+
+def loss(p: dict[str, Any], x: Any, y: Any) -> Any:
+    return jnp.mean((x @ p["w"] + p["b"] - y) ** 2)
+
+
+grad_fn = jax.jit(jax.grad(loss))
+
+
+def initial() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {"w": rng.normal(size=(8, 3)).astype(np.float32) * 0.1, "b": np.zeros(3, np.float32)}
+
+
+@pytest.fixture
+def cluster() -> Iterator[InProcessCluster]:
+    with InProcessCluster(num_workers=2, num_ps=2) as c:
+        yield c
+
+
+def _all_healthy(coord: jaxdist.ClusterCoordinator) -> bool:
+    return all(row["healthy"] for row in coord.status())
+
+
+def test_synchronous_two_workers_equal_one_process_with_the_combined_batch(cluster: InProcessCluster) -> None:
+    strategy = jaxdist.ParameterServerStrategy(
+        cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2), staleness=0)
+    with strategy.scope():
+        params = jaxdist.create_variables(initial(), optimizer=optax.adam(0.05))
+    assert isinstance(params["w"], jaxdist.ShardedVariable)  # the step must land on both shards alike
+    coord = jaxdist.ClusterCoordinator(strategy)
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured (they join the steps)")
+
+        def train_step() -> tuple[int, int]:
+            p = jaxdist.pull(params)
+            step, worker = jaxdist.current_sync_step(), jaxdist.current_worker_index()
+            x, y = batch_for(worker, step)
+            jaxdist.apply_gradients(params, grad_fn(p, x, y))
+            return step, worker
+
+        steps = 15
+        rvs = [coord.schedule(train_step) for _ in range(2 * steps)]
+        coord.join()
+        ran = [rv.fetch() for rv in rvs]
+        by_step: dict[int, list[int]] = {}
+        for step, worker in ran:
+            by_step.setdefault(step, []).append(worker)
+        assert sorted(by_step) == list(range(len(by_step)))
+        full = sum(sorted(ws) == [0, 1] for ws in by_step.values())
+        # Each step holds one gradient of each worker (an idle worker may sit out the last one).
+        assert full >= steps - 1, by_step
+        assert all(len(set(ws)) == len(ws) for ws in by_step.values())  # never two of one worker
+
+        # One process, the combined batch of each step, the same optimizer applied once per step.
+        ref = {k: jnp.asarray(v) for k, v in initial().items()}
+        tx = optax.adam(0.05)
+        state = tx.init(ref)
+        for step in sorted(by_step):
+            parts = [batch_for(w, step) for w in sorted(by_step[step])]
+            x = np.concatenate([a for a, _ in parts])
+            y = np.concatenate([b for _, b in parts])
+            updates, state = tx.update(grad_fn(ref, x, y), state, ref)
+            ref = optax.apply_updates(ref, updates)
+        got = jaxdist.pull(params)
+        np.testing.assert_allclose(got["w"], np.asarray(ref["w"]), rtol=2e-5, atol=2e-6)
+        np.testing.assert_allclose(got["b"], np.asarray(ref["b"]), rtol=2e-5, atol=2e-6)
+        # Async training would differ: the same gradients applied one by one move the weights elsewhere.
+        assert not np.allclose(got["w"], initial()["w"], atol=1e-3)
+
+        reports = coord.step_barrier.reports()  # type: ignore[union-attr]
+        assert [r.applied for r in reports] == [len(by_step)] * 2  # both PS applied every step, once
+        assert reports[0].clocks == reports[1].clocks
+        assert reports[0].max_lead == 0
+    finally:
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_bounded_staleness_no_worker_runs_more_than_s_steps_ahead(cluster: InProcessCluster, staleness: int) -> None:
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=staleness)
+    with strategy.scope():
+        v = jaxdist.create_variable(np.zeros(4, np.float32), name="v", optimizer=optax.sgd(1.0))
+    coord = jaxdist.ClusterCoordinator(strategy)
+    gate = gates.new_name("slow-worker")
+    started = gates.new_name("started")
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured")
+
+        def step(i: int) -> tuple[int, int]:
+            worker = jaxdist.current_worker_index()
+            if worker == 1:
+                gates.arrive(started)
+                assert gates.event(gate).wait(60), "the test never released worker 1"
+            jaxdist.pull(v)
+            jaxdist.apply_gradients(v, -np.ones(4, np.float32))  # each step adds 1 (the mean of -1s)
+            return worker, jaxdist.current_sync_step()
+
+        n = 4 * (staleness + 2)
+        rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
+        barrier = coord.step_barrier
+        assert barrier is not None
+        # Worker 1 holds its first step; worker 0 runs ahead until the barrier stops it: exactly
+        # `staleness` steps ahead of worker 1 when its pull opens, then its next pull waits.
+        poll_for(lambda: gates.arrivals(started) >= 1, 30, what="worker 1 holding its step")
+        poll_for(lambda: barrier.reports()[0].waiting == [0], 30, what="worker 0 stopped at the barrier")
+        reports = barrier.reports()
+        for r in reports:  # v lives on ps:0, but every PS keeps the same clock
+            assert r.clocks == {0: staleness + 1, 1: 0} and r.applied == 0
+        assert reports[v.ps_index].max_lead == staleness
+        assert sum(rv.done() for rv in rvs) == staleness + 1  # worker 0's steps 0..s, no more
+        gates.event(gate).set()
+        coord.join()
+        ran = [rv.fetch() for rv in rvs]
+        reports = barrier.reports()
+        assert reports[v.ps_index].max_lead == staleness  # the bound held, and was reached
+        assert reports[0].applied == reports[1].applied and reports[0].clocks == reports[1].clocks
+        applied = reports[0].applied
+        assert float(v.numpy()[0]) == pytest.approx(applied)  # one optimizer step per global step
+        # Every closure's step is one of its worker's, in order, each step once per worker.
+        for w in (0, 1):
+            mine = [s for worker, s in ran if worker == w]
+            assert len(mine) == len(set(mine))
+    finally:
+        gates.event(gate).set()
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+
+
+def test_staleness_argument_is_checked(cluster: InProcessCluster) -> None:
+    for bad in (-1, 1.5, True, "0"):
+        with pytest.raises(ValueError):
+            jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=bad)  # type: ignore[arg-type]
+
+
+def test_asynchronous_default_applies_every_push(cluster: InProcessCluster) -> None:
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+    with strategy.scope():
+        v = jaxdist.create_variable(np.zeros(2, np.float32), name="v", optimizer=optax.sgd(1.0))
+    coord = jaxdist.ClusterCoordinator(strategy)
+    try:
+        assert coord.step_barrier is None
+
+        def step() -> int:
+            jaxdist.pull(v)
+            jaxdist.apply_gradients(v, -np.ones(2, np.float32))
+            return jaxdist.current_sync_step()
+
+        rvs = [coord.schedule(step) for _ in range(10)]
+        coord.join()
+        assert [rv.fetch() for rv in rvs] == [-1] * 10
+        np.testing.assert_array_equal(v.numpy(), [10.0, 10.0])
+    finally:
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
