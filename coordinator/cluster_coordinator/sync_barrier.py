@@ -164,8 +164,13 @@ class StepBarrier:
                 logger.error("worker:%d could not be dropped from the synchronous steps: %s (steps wait for it)", worker, e)
                 return
             self._members.discard(worker)
-        logger.info("worker:%d left the synchronous steps (%s)", worker,
-                    f"its step {keep} contribution counts" if keep >= 0 else "its uncommitted contribution was discarded")
+        if keep >= 0:
+            what = f"its committed step {keep} counts"
+        elif any(r.staged_steps for r in fenced):
+            what = "its uncommitted gradients were discarded; its closure runs again elsewhere"
+        else:
+            what = "it had no uncommitted gradients"
+        logger.info("worker:%d left the synchronous steps (%s)", worker, what)
 
     def worker_joined(self, worker: int) -> None:
         """Add ``worker`` (configured: back, or new) from the step being formed; a member stays as it is."""

@@ -186,3 +186,63 @@ def test_asynchronous_default_applies_every_push(cluster: InProcessCluster) -> N
     finally:
         coord.shutdown(exit_tasks=False)
         strategy.close()
+
+
+def test_ps_refuses_bad_sync_requests_with_typed_errors_and_changes_nothing(cluster: InProcessCluster) -> None:
+    import grpc
+
+    from jaxdist.errors import InvalidRequestError, StepMembershipError
+    from jaxdist.proto import ps_pb2
+    from jaxdist.transport.channel import make_channel
+    from jaxdist.proto.ps_wire import CreateSpec, Op, SyncKind, Update
+    from jaxdist.ps_server.client import PSClient
+
+    client = PSClient(cluster.address("ps:0"), cluster.credentials, task="ps:0")
+    try:
+        client.create([CreateSpec("v", value=np.zeros(2, np.float32), optimizer=optax.sgd(1.0))])
+        client.sync_steps(SyncKind.CONFIGURE, staleness=0, members=[0])
+        g = [Update("v", Op.APPLY_GRADIENT, np.ones(2, np.float32))]
+        # Garbage: bytes, unknown kind, negative worker, negative members: INVALID_ARGUMENT with a reason.
+        with make_channel(cluster.address("ps:0")) as ch:
+            raw = ch.unary_unary("/jaxdist.ParameterServer/SyncSteps")
+            for body in (b"\xff\xfe garbage", ps_pb2.SyncStepsRequest(kind=42).SerializeToString(),
+                         ps_pb2.SyncStepsRequest(kind=ps_pb2.SYNC_COMMIT, contributor=-3).SerializeToString(),
+                         ps_pb2.SyncStepsRequest(kind=ps_pb2.SYNC_CONFIGURE, members=[-1]).SerializeToString()):
+                with pytest.raises(grpc.RpcError) as e:
+                    raw(body, metadata=cluster.credentials.metadata, timeout=5)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, body
+        # A worker outside the steps: FAILED_PRECONDITION; its gradients are not applied.
+        with pytest.raises(StepMembershipError) as e2:
+            client.push_step(g, "x/1", contributor=3, commit=True)
+        assert e2.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        with pytest.raises(StepMembershipError):
+            client.sync_steps(SyncKind.COMMIT, 3)
+        # Gradients mixed with another op in one step's push: refused, nothing staged.
+        with pytest.raises(InvalidRequestError):
+            client.push_step(g + [Update("v", Op.ASSIGN_ADD, np.ones(2, np.float32))], "x/2", contributor=0)
+        # A wrong shape is refused before it is staged (never at apply time).
+        with pytest.raises(jaxdist.errors.ShapeMismatchError):
+            client.push_step([Update("v", Op.APPLY_GRADIENT, np.ones(3, np.float32))], "x/3", contributor=0)
+        r = client.sync_steps(SyncKind.STATUS)
+        assert r.uncommitted == 0 and r.applied == 0 and r.clocks == {0: 0}
+        # The member's push is staged (not applied) and applied once it commits.
+        resp = client.push_step(g, "x/4", contributor=0)
+        assert resp.staged and resp.step == 0
+        ((value, _),) = client.pull([ps_wire_pull("v")])
+        np.testing.assert_array_equal(value, [0.0, 0.0])
+        assert client.sync_steps(SyncKind.COMMIT, 0).applied == 1
+        ((value, _),) = client.pull([ps_wire_pull("v")])
+        np.testing.assert_array_equal(value, [-1.0, -1.0])
+        assert client.push_step(g, "x/4", contributor=0, commit=True).duplicate  # exactly once
+        client.sync_steps(SyncKind.CONFIGURE, staleness=-1)  # back to asynchronous: applied at once
+        assert not client.push_step(g, "x/5", contributor=0).staged
+        ((value, _),) = client.pull([ps_wire_pull("v")])
+        np.testing.assert_array_equal(value, [-2.0, -2.0])
+    finally:
+        client.close()
+
+
+def ps_wire_pull(name: str) -> Any:
+    from jaxdist.proto.ps_wire import PullSpec
+
+    return PullSpec(name)
