@@ -135,9 +135,16 @@ class StepBarrier:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop watching, and turn the PS tasks back to asynchronous updates (a later coordinator of
+        the same cluster may train asynchronously); a PS that does not answer is skipped."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
+        with self._lock:
+            try:
+                self._all(SyncKind.CONFIGURE, staleness=-1, timeout=2.0)
+            except E.JaxdistError as e:
+                logger.info("synchronous steps not turned off on every PS: %s", e)
 
     # ------------------------------------------------------------------ views
     @property
