@@ -15,6 +15,7 @@ once (see the README, "Exactly-once updates").
 from __future__ import annotations
 
 import abc
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -187,6 +188,7 @@ class Variable(VariableOps):
         idx = np.asarray(indices, dtype=np.int64)
         conns = self.connections()
         ((value, _),) = conns.client(self.ps_index).pull([PullSpec(self.name, indices=idx.reshape(-1))])
+        assert value is not None, "a pull without a known version always returns the value"
         return value.reshape(idx.shape + self.shape[1:])
 
 
@@ -246,12 +248,12 @@ def pull_arrays(
         # A worker's closure: under synchronous or bounded-stale training each PS first holds the
         # pull at its step barrier; every PS reports the step this worker's next gradients join.
         stepped = conns.fan_out({
-            ps: (
-                lambda c, idxs=idxs: c.pull_at_barrier(
-                    [_pull_spec(variables[i], dtype) for i in idxs], contributor,
-                    timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                    out=None if out is None else [out[i] for i in idxs],
-                )
+            ps: operator.methodcaller(
+                "pull_at_barrier",
+                [_pull_spec(variables[i], dtype) for i in idxs],
+                contributor,
+                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+                out=None if out is None else [out[i] for i in idxs],
             )
             for ps, idxs in by_ps.items()
         })
@@ -259,12 +261,11 @@ def pull_arrays(
         results = {ps: res for ps, (res, _) in stepped.items()}
     else:
         results = conns.fan_out({
-            ps: (
-                lambda c, idxs=idxs: c.pull(
-                    [_pull_spec(variables[i], dtype) for i in idxs],
-                    timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                    out=None if out is None else [out[i] for i in idxs],
-                )
+            ps: operator.methodcaller(
+                "pull",
+                [_pull_spec(variables[i], dtype) for i in idxs],
+                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+                out=None if out is None else [out[i] for i in idxs],
             )
             for ps, idxs in by_ps.items()
         })
@@ -399,17 +400,17 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     conns = _connections_of([var for var, *_ in updates])
     contributor = current_contributor()
     if contributor < 0:
-        conns.fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+        conns.fan_out({ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()})
         return
     # A worker's closure. Under synchronous or bounded-stale training each PS stages the gradients
     # for this worker's step; the step is committed on *every* PS only once all pushes landed, so a
     # committed contribution is on every PS (a worker that dies between the two never half-commits).
     # With one PS task the push commits itself.
     single = len(conns.clients) == 1
-    answers = conns.fan_out({ps: (lambda c, s=specs: c.push_step(s, update_id, contributor, commit=single))
+    answers = conns.fan_out({ps: operator.methodcaller("push_step", specs, update_id, contributor, commit=single)
                              for ps, specs in by_ps.items()})
     if not single and any(a.staged for a in answers.values()):
-        conns.fan_out({ps: (lambda c: c.sync_steps(ps_wire.SyncKind.COMMIT, contributor))
+        conns.fan_out({ps: operator.methodcaller("sync_steps", ps_wire.SyncKind.COMMIT, contributor)
                        for ps in range(len(conns.clients))})
 
 
@@ -459,4 +460,4 @@ def create_on_ps(specs: Sequence[tuple[int, CreateSpec]], conns: PSConnections) 
     by_ps: dict[int, list[CreateSpec]] = defaultdict(list)
     for ps, spec in specs:
         by_ps[ps].append(spec)
-    conns.fan_out({ps: (lambda c, s=s: c.create(s)) for ps, s in by_ps.items()})
+    conns.fan_out({ps: operator.methodcaller("create", s) for ps, s in by_ps.items()})

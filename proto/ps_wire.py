@@ -569,7 +569,7 @@ class SyncKind(enum.Enum):
     SKIP = "skip"
 
     @property
-    def wire(self) -> int:
+    def wire(self) -> ps_pb2.SyncStepsKind:
         return _SYNC_TO_WIRE[self]
 
     @classmethod
@@ -580,7 +580,7 @@ class SyncKind(enum.Enum):
         raise InvalidRequestError(f"unknown SyncSteps kind {code}")
 
 
-_SYNC_TO_WIRE = {
+_SYNC_TO_WIRE: dict[SyncKind, ps_pb2.SyncStepsKind] = {
     SyncKind.STATUS: ps_pb2.SYNC_STATUS,
     SyncKind.CONFIGURE: ps_pb2.SYNC_CONFIGURE,
     SyncKind.COMMIT: ps_pb2.SYNC_COMMIT,

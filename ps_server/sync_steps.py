@@ -267,7 +267,7 @@ class SyncSteps:
 
     def __init__(
         self,
-        apply_step: Callable[[list[Update], list[str], int], None],
+        apply_step: Callable[[Sequence[Update], Sequence[str], int], object],
         dtype_of: Callable[[str], np.dtype],
         was_applied: Callable[[str], bool],
     ) -> None:
