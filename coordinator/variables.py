@@ -28,7 +28,7 @@ from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
-from jaxdist.worker.context import current_contributor, current_ps, next_update_id, note_sync_step
+from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
 __all__ = [
     "Variable",
@@ -407,7 +407,9 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     # committed contribution is on every PS (a worker that dies between the two never half-commits).
     # With one PS task the push commits itself.
     single = len(conns.clients) == 1
-    answers = conns.fan_out({ps: operator.methodcaller("push_step", specs, update_id, contributor, commit=single)
+    pulled_at = current_sync_step()  # the PS checks the worker is still at the step it computed on
+    answers = conns.fan_out({ps: operator.methodcaller("push_step", specs, update_id, contributor, commit=single,
+                                                       step=pulled_at)
                              for ps, specs in by_ps.items()})
     if not single and any(a.staged for a in answers.values()):
         conns.fan_out({ps: operator.methodcaller("sync_steps", ps_wire.SyncKind.COMMIT, contributor)

@@ -151,16 +151,18 @@ class UpdateEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., op: _Optional[_Union[UpdateOp, str]] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_value: _Optional[bool] = ..., indices: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_indices: _Optional[bool] = ..., create_spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., initializer: _Optional[bytes] = ..., if_exists: _Optional[_Union[IfExists, str]] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("entries", "update_id", "contributor", "commit")
+    __slots__ = ("entries", "update_id", "contributor", "commit", "step")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[UpdateEntry]
     update_id: str
     contributor: int
     commit: bool
-    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ..., contributor: _Optional[int] = ..., commit: _Optional[bool] = ...) -> None: ...
+    step: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ..., contributor: _Optional[int] = ..., commit: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("versions", "duplicate", "staged", "step")

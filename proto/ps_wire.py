@@ -370,20 +370,22 @@ def _add_payload(e: ps_pb2.UpdateEntry, value: Any, indices: np.ndarray | None, 
 
 def encode_push(
     updates: Sequence[Update], update_id: str = "", out: ps_pb2.PushHeader | None = None,
-    contributor: int = -1, commit: bool = False,
+    contributor: int = -1, commit: bool = False, step: int = -1,
 ) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
     """A push as its header (written into ``out`` if given) and payload arrays: per entry its
     value, then its indices (int64) if it has any. Values travel in their own dtype: convert
     them with :func:`wire_value` first.
 
     ``contributor`` (a worker index, -1: none): on a PS running synchronous steps, its
-    gradients are staged for its current step; ``commit`` commits that step at once.
+    gradients are staged for its current step; ``commit`` commits that step at once; ``step``
+    (-1: unknown) is the step the contributor's pull reported, checked by the PS.
     """
     header = out if out is not None else ps_pb2.PushHeader()
     header.update_id = update_id
     if contributor >= 0:
         header.contributor = contributor + 1
         header.commit = commit
+        header.step = step + 1 if step >= 0 else 0
     arrays: list[np.ndarray] = []
     for u in updates:
         e = header.entries.add(name=u.name, op=u.op.wire)

@@ -270,12 +270,14 @@ class PSClient(ServiceClient):
         return list(resp.versions), resp.duplicate
 
     def push_step(
-        self, updates: Sequence[Update], update_id: str, contributor: int, commit: bool = False, timeout: float | None = None
+        self, updates: Sequence[Update], update_id: str, contributor: int, commit: bool = False, step: int = -1,
+        timeout: float | None = None,
     ) -> ps_pb2.PushResponse:
         """:meth:`push` from worker ``contributor``'s closure: on a PS running synchronous steps its
         gradients are staged for its step (``staged`` in the answer) and, with ``commit``, the step
-        is committed in the same call."""
-        header, arrays = ps_wire.encode_push(updates, update_id, contributor=contributor, commit=commit)
+        is committed in the same call. ``step`` (-1: unknown): the step its pull reported; the PS
+        refuses the push (:class:`StepMembershipError`) when the worker is no longer at it."""
+        header, arrays = ps_wire.encode_push(updates, update_id, contributor=contributor, commit=commit, step=step)
         return self._send(header, arrays, timeout)
 
     def sync_steps(

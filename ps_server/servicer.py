@@ -150,7 +150,7 @@ class ParameterServerServicer:
         if header.contributor > 0 and self.sync.enabled and any(u.op in ps_wire.GRADIENT_OPS for u in updates):
             # A worker's gradients in synchronous steps: staged for its step, applied as the step's mean.
             self.store.validate(updates)
-            dup, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit)
+            dup, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit, header.step - 1)
             if dup:
                 self.counters.add(duplicates=1)
             return ps_pb2.PushResponse(duplicate=dup, staged=not dup, step=step)

@@ -117,17 +117,25 @@ class StepClock:
     def is_staged(self, update_id: str) -> bool:
         return update_id in self._staged_ids
 
-    def stage(self, w: int, update_id: str, updates: Sequence[Update]) -> int:
+    def stage(self, w: int, update_id: str, updates: Sequence[Update], pulled_at: int = -1) -> int:
         """Stage member ``w``'s gradients for its current step; returns that step.
 
+        ``pulled_at`` (-1: unknown) is the step ``w``'s pull reported: the gradient was
+        computed at it, so it must still be ``w``'s step.
+
         Raises:
-            StepMembershipError: ``w`` is not a member (dropped, or fenced).
+            StepMembershipError: ``w`` is not a member (dropped, or fenced), or is no longer at
+                step ``pulled_at``.
             InvalidRequestError: a non-gradient op, or a second push in one step.
         """
         if not self.is_member(w) or w in self._fenced:
             raise StepMembershipError(
                 f"worker {w} takes no part in the synchronous steps (it was declared failed or left); "
                 "its closure is re-run elsewhere")
+        if pulled_at >= 0 and pulled_at != self.clocks[w]:
+            raise StepMembershipError(
+                f"worker {w} pulled at step {pulled_at} but is at step {self.clocks[w]}: it was dropped and "
+                "rejoined meanwhile, or it pushes twice per pull (pull before each gradient push)")
         bad = [u for u in updates if u.op not in GRADIENT_OPS]
         if bad:
             raise InvalidRequestError(
@@ -314,12 +322,13 @@ class SyncSteps:
         """Whether a gradient push by contributor ``w`` is staged (synchronous steps on; ``w`` a member or fenced)."""
         return self._clock.enabled and w in self._clock.clocks
 
-    def push(self, w: int, update_id: str, updates: Sequence[Update], commit: bool) -> tuple[bool, int]:
-        """Stage member ``w``'s gradients (and commit them with ``commit``); ``(duplicate, step)``."""
+    def push(self, w: int, update_id: str, updates: Sequence[Update], commit: bool, pulled_at: int = -1) -> tuple[bool, int]:
+        """Stage member ``w``'s gradients (and commit them with ``commit``); ``(duplicate, step)``.
+        ``pulled_at``: see :meth:`StepClock.stage`."""
         with self._cond:
             if update_id and (self._clock.is_staged(update_id) or self._was_applied(update_id)):
                 return True, self._clock.clocks.get(w, -1)
-            step = self._clock.stage(w, update_id, updates)
+            step = self._clock.stage(w, update_id, updates, pulled_at)
             if commit:
                 self._clock.commit(w)
                 self._advance()

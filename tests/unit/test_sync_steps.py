@@ -265,3 +265,19 @@ def test_sync_messages_round_trip_and_refuse_garbage() -> None:
     header, _ = ps_wire.encode_push([grad("w", 1.0)], "u/1", contributor=0, commit=True)
     assert header.contributor == 1 and header.commit
     assert ps_wire.encode_pull([], contributor=-1).contributor == 0
+
+
+def test_a_push_computed_at_another_step_is_refused() -> None:
+    c = clock(0, [0, 1])
+    c.stage(0, "a/1", [grad("w", 1.0)], pulled_at=0)
+    c.commit(0)
+    # Pushing twice per pull: the second gradient was computed at step 0, the worker is at step 1.
+    with pytest.raises(StepMembershipError):
+        c.stage(0, "a/2", [grad("w", 1.0)], pulled_at=0)
+    # A frozen worker dropped and rejoined at a later step: its late push (pulled at 0) is refused.
+    c.fence(1)
+    c.drop(1)
+    c.join(1, 5)
+    with pytest.raises(StepMembershipError):
+        c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=0)
+    assert c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=c.clocks[1]) == c.clocks[1]
