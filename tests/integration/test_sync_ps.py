@@ -246,3 +246,71 @@ def ps_wire_pull(name: str) -> Any:
     from jaxdist.proto.ps_wire import PullSpec
 
     return PullSpec(name)
+
+
+def test_synchronous_steps_keep_the_transfer_dtype_rule(cluster: InProcessCluster) -> None:
+    """bf16 gradients (mixed precision) are staged as sent and averaged in the variable's float32."""
+    import ml_dtypes
+
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=0)
+    with strategy.scope():
+        params = jaxdist.create_variables(initial(), optimizer=optax.sgd(0.1))
+    coord = jaxdist.ClusterCoordinator(strategy)
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured")
+
+        def train_step() -> tuple[int, int]:
+            p = jaxdist.pull(params)
+            step, worker = jaxdist.current_sync_step(), jaxdist.current_worker_index()
+            x, y = batch_for(worker, step)
+            jaxdist.apply_gradients(params, grad_fn(p, x, y), transfer_dtype=jnp.bfloat16)
+            return step, worker
+
+        rvs = [coord.schedule(train_step) for _ in range(8)]
+        coord.join()
+        by_step: dict[int, list[int]] = {}
+        for step, worker in (rv.fetch() for rv in rvs):
+            by_step.setdefault(step, []).append(worker)
+        ref = {k: jnp.asarray(v) for k, v in initial().items()}
+        for step in sorted(by_step):
+            grads = [grad_fn(ref, *batch_for(w, step)) for w in sorted(by_step[step])]
+            rounded = [jax.tree.map(lambda a: np.asarray(a).astype(ml_dtypes.bfloat16).astype(np.float32), g) for g in grads]
+            mean = jax.tree.map(lambda *a: sum(a[1:], a[0]) / np.float32(len(a)), *rounded)
+            ref = jax.tree.map(lambda v, g: v - np.float32(0.1) * g, ref, mean)
+        got = jaxdist.pull(params)
+        np.testing.assert_allclose(got["w"], np.asarray(ref["w"]), rtol=2e-5, atol=2e-6)
+        assert got["w"].dtype == np.float32
+    finally:
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+
+
+def test_a_removed_worker_leaves_the_steps_and_training_goes_on(cluster: InProcessCluster) -> None:
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=0)
+    with strategy.scope():
+        v = jaxdist.create_variable(np.zeros(2, np.float32), name="v", optimizer=optax.sgd(1.0))
+    coord = jaxdist.ClusterCoordinator(strategy)
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured")
+        barrier = coord.step_barrier
+        assert barrier is not None and barrier.members == {0, 1}
+
+        def step() -> int:
+            jaxdist.pull(v)
+            jaxdist.apply_gradients(v, -np.ones(2, np.float32))
+            return jaxdist.current_worker_index()
+
+        rvs = [coord.schedule(step) for _ in range(10)]
+        coord.join()
+        coord.remove_worker(1)
+        assert barrier.members == {0}
+        rvs += [coord.schedule(step) for _ in range(10)]
+        coord.join()
+        assert [rv.fetch() for rv in rvs[10:]] == [0] * 10  # worker 0 alone: each of its steps applies
+        reports = barrier.reports()
+        assert all(r.clocks.keys() == {0} for r in reports)
+        assert float(v.numpy()[0]) == pytest.approx(reports[0].applied)
+        assert reports[0].applied >= 15  # ~5 two-gradient steps, then 10 of worker 0's own
+    finally:
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
