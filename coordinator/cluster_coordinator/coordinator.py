@@ -345,7 +345,8 @@ class ClusterCoordinator:
 
     Args:
         strategy: the strategy whose cluster and variables closures use.
-        closures_per_rpc: closures sent to a worker per call (batching).
+        closures_per_rpc: closures sent to a worker per call (batching); None: 16, or 1 under
+            ``staleness``.
         heartbeat_interval: seconds between heartbeats to each worker.
         failure_timeout: seconds without a heartbeat answer before a worker
             is declared failed and its closures re-queued.
@@ -355,8 +356,8 @@ class ClusterCoordinator:
 
     With a strategy made with ``staleness`` (synchronous or bounded-stale
     training) each worker takes one closure at a time (``closures_per_rpc``
-    is 1: a worker holding a batch would hold several steps' closures while
-    it waits at the barrier), failed workers leave the steps and workers that
+    is 1, and more is a ``ConfigurationError``: a worker holding a batch would
+    hold several steps' closures while it waits at the barrier), failed workers leave the steps and workers that
     come back rejoin them (:mod:`jaxdist.cluster_coordinator.sync_barrier`),
     and ``join`` applies a last partial step.
     """
@@ -369,7 +370,7 @@ class ClusterCoordinator:
         self,
         strategy: ParameterServerStrategy,
         *,
-        closures_per_rpc: int = DEFAULT_CLOSURES_PER_RPC,
+        closures_per_rpc: int | None = None,
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
         closure_timeout: float | None = None,
@@ -378,13 +379,20 @@ class ClusterCoordinator:
         addresses = strategy.cluster_resolver.cluster_spec().job_tasks("worker")
         if not addresses:
             raise E.ConfigurationError("the cluster has no 'worker' tasks; add at least one worker to the cluster spec")
+        if closures_per_rpc is None:
+            closures_per_rpc = DEFAULT_CLOSURES_PER_RPC if strategy.staleness is None else 1
+        elif strategy.staleness is not None and closures_per_rpc > 1:
+            raise E.ConfigurationError(
+                f"closures_per_rpc={closures_per_rpc} with staleness={strategy.staleness}: under synchronous steps a "
+                "worker takes one closure at a time (a batch would hold several steps' closures at the barrier); "
+                "leave closures_per_rpc unset")
         self._closed = False
         strategy.bind_coordinator(self)  # one live coordinator per strategy
         self.strategy = strategy
         #: Token and TLS material of every call (the strategy's).
         self.credentials = strategy.credentials
         self.run_id = uuid.uuid4().hex[:12]
-        self.closures_per_rpc = max(1, closures_per_rpc) if strategy.staleness is None else 1
+        self.closures_per_rpc = max(1, closures_per_rpc)
         self.heartbeat_interval = heartbeat_interval
         self.failure_timeout = failure_timeout
         self.closure_timeout = closure_timeout

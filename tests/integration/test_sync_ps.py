@@ -164,6 +164,15 @@ def test_staleness_argument_is_checked(cluster: InProcessCluster) -> None:
     for bad in (-1, 1.5, True, "0"):
         with pytest.raises(ValueError):
             jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=bad)  # type: ignore[arg-type]
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=0)
+    try:
+        with pytest.raises(jaxdist.errors.ConfigurationError):
+            jaxdist.ClusterCoordinator(strategy, closures_per_rpc=4)  # batches would hold several steps
+        coord = jaxdist.ClusterCoordinator(strategy, closures_per_rpc=1)
+        assert coord.closures_per_rpc == 1
+        coord.shutdown(exit_tasks=False)
+    finally:
+        strategy.close()
 
 
 def test_asynchronous_default_applies_every_push(cluster: InProcessCluster) -> None:
