@@ -77,22 +77,25 @@ class StepClock:
         self.max_lead = 0
 
     # ---------------------------------------------------------------- config
-    def configure(self, staleness: int, members: Iterable[int]) -> None:
+    def configure(self, staleness: int, members: Iterable[int]) -> int:
         """Start synchronous steps (every member at the current applied step); ``staleness < 0`` stops them.
 
-        Raises:
-            InvalidRequestError: staged contributions would be lost (reconfigure only between runs).
+        A coordinator configures the steps when it starts (and turns them off when it stops), so
+        contributions still staged belong to a coordinator that is gone: its closures will never
+        commit them. They are discarded (their update ids forgotten); returns how many.
         """
-        if self._staged_ids:
-            raise InvalidRequestError("synchronous steps have staged contributions; they can be reconfigured only when none are pending")
+        discarded = len(self._staged_ids) + sum(1 for slot in self._staged.values() for c in slot.values() if not c.update_id)
+        self._staged.clear()
+        self._staged_ids.clear()
+        self._fenced.clear()
         if staleness < 0:
             self.enabled = False
             self.clocks = {}
-            return
+            return discarded
         self.enabled = True
         self.staleness = staleness
         self.clocks = {int(w): self.applied for w in members}
-        self._fenced.clear()
+        return discarded
 
     def is_member(self, w: int) -> bool:
         return self.enabled and w in self.clocks
@@ -339,7 +342,10 @@ class SyncSteps:
         with self._cond:
             staged: list[int] = []
             if kind is SyncKind.CONFIGURE:
-                self._clock.configure(staleness, members)
+                discarded = self._clock.configure(staleness, members)
+                if discarded:
+                    logger.warning("synchronous steps reconfigured: %d staged contributions of the previous "
+                                   "coordinator discarded (never committed)", discarded)
             elif kind is SyncKind.COMMIT:
                 self._clock.commit(w)
             elif kind is SyncKind.FENCE:

@@ -58,7 +58,7 @@ from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
 from jaxdist.cluster_coordinator.ps_recovery import PSWatcher
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues, RemoteValue
 from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer
-from jaxdist.cluster_coordinator.sync_barrier import StepBarrier
+from jaxdist.cluster_coordinator.sync_barrier import StepBarrier, turn_off
 from jaxdist.proto import worker_pb2
 from jaxdist.transport import rpc
 
@@ -155,6 +155,9 @@ class Cluster:
             # No member yet: each worker joins when it is first configured (before it takes a
             # closure), so steps never wait for a worker that never came up.
             self.steps.start(())
+        else:
+            # A synchronous coordinator of these PS tasks may have died without turning its steps off.
+            turn_off(self.strategy.connections)
         for w in list(self._workers):
             w.start()
 

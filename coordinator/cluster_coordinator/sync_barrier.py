@@ -45,7 +45,7 @@ from jaxdist.ps_server.connections import PSConnections
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepBarrier", "plan_keep", "plan_skips"]
+__all__ = ["StepBarrier", "plan_keep", "plan_skips", "turn_off"]
 
 #: Seconds between looks for a step blocked by idle workers (only while nothing can be handed out).
 _POLL_S = 0.1
@@ -106,6 +106,16 @@ def plan_skips(reports: Sequence[SyncReport], final: bool = False) -> dict[int, 
     return {w: target for w, c in clocks.items() if c < target and w not in waiting}
 
 
+def turn_off(connections: PSConnections, timeout: float = 2.0) -> None:
+    """Make every PS apply pushes asynchronously (an asynchronous coordinator starting where a
+    synchronous one ran and died); a PS that does not answer is skipped (logged)."""
+    n = len(connections.clients)
+    try:
+        connections.fan_out({i: (lambda c: c.sync_steps(SyncKind.CONFIGURE, staleness=-1, timeout=timeout)) for i in range(n)})
+    except E.JaxdistError as e:
+        logger.info("synchronous steps not turned off on every PS: %s", e)
+
+
 class StepBarrier:
     """Membership of the synchronous steps on every PS (see the module docstring).
 
@@ -141,10 +151,7 @@ class StepBarrier:
         if self._thread.is_alive():
             self._thread.join(timeout=5.0)
         with self._lock:
-            try:
-                self._all(SyncKind.CONFIGURE, staleness=-1, timeout=2.0)
-            except E.JaxdistError as e:
-                logger.info("synchronous steps not turned off on every PS: %s", e)
+            turn_off(self._conns)
 
     # ------------------------------------------------------------------ views
     @property

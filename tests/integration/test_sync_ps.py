@@ -176,10 +176,15 @@ def test_staleness_argument_is_checked(cluster: InProcessCluster) -> None:
 
 
 def test_asynchronous_default_applies_every_push(cluster: InProcessCluster) -> None:
+    from jaxdist.proto.ps_wire import SyncKind
+
     strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
     with strategy.scope():
         v = jaxdist.create_variable(np.zeros(2, np.float32), name="v", optimizer=optax.sgd(1.0))
-    coord = jaxdist.ClusterCoordinator(strategy)
+    # As a synchronous coordinator that died would leave them: every PS still runs steps.
+    for c in strategy.connections.clients:
+        c.sync_steps(SyncKind.CONFIGURE, staleness=0, members=[0, 1])
+    coord = jaxdist.ClusterCoordinator(strategy)  # asynchronous: turns the steps off
     try:
         assert coord.step_barrier is None
 
