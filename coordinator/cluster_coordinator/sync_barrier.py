@@ -109,11 +109,13 @@ def plan_skips(reports: Sequence[SyncReport], final: bool = False) -> dict[int, 
 def turn_off(connections: PSConnections, timeout: float = 2.0) -> None:
     """Make every PS apply pushes asynchronously (an asynchronous coordinator starting where a
     synchronous one ran and died); a PS that does not answer is skipped (logged)."""
-    n = len(connections.clients)
-    try:
-        connections.fan_out({i: (lambda c: c.sync_steps(SyncKind.CONFIGURE, staleness=-1, timeout=timeout)) for i in range(n)})
-    except E.JaxdistError as e:
-        logger.info("synchronous steps not turned off on every PS: %s", e)
+    # One PS after the other, on this thread: once per coordinator, and it starts no I/O threads
+    # (an asynchronous coordinator's strategy may never fan out otherwise).
+    for i, client in enumerate(connections.clients):
+        try:
+            client.sync_steps(SyncKind.CONFIGURE, staleness=-1, timeout=timeout)
+        except E.JaxdistError as e:
+            logger.info("synchronous steps not turned off on ps:%d: %s", i, e)
 
 
 class StepBarrier:
