@@ -359,10 +359,11 @@ class ClusterCoordinator:
 
     With a strategy made with ``staleness`` (synchronous or bounded-stale
     training) each worker takes one closure at a time (``closures_per_rpc``
-    is 1, and more is a ``ConfigurationError``: a worker holding a batch would
-    hold several steps' closures while it waits at the barrier), failed workers leave the steps and workers that
-    come back rejoin them (:mod:`jaxdist.cluster_coordinator.sync_barrier`),
-    and ``join`` applies a last partial step.
+    is 1, and more is a ``ConfigurationError``: a worker holding a batch
+    would hold several steps' closures while it waits at the barrier),
+    failed workers leave the steps and workers that come back rejoin them
+    (:mod:`jaxdist.cluster_coordinator.sync_barrier`), and ``join`` applies
+    a last partial step.
     """
 
     #: Seconds a primary may stay unreachable before its backup is promoted (read when the
