@@ -35,6 +35,7 @@ __all__ = [
     "VariableOps",
     "SparseGradient",
     "pull",
+    "pull_specs",
     "apply_gradients",
     "push_updates",
     "split_update",
@@ -186,8 +187,7 @@ class Variable(VariableOps):
     def sparse_read(self, indices: Any) -> np.ndarray:
         """Pull only rows ``indices`` of dim 0."""
         idx = np.asarray(indices, dtype=np.int64)
-        conns = self.connections()
-        ((value, _),) = conns.client(self.ps_index).pull([PullSpec(self.name, indices=idx.reshape(-1))])
+        ((value, _),) = pull_specs(self.connections(), {self.ps_index: [PullSpec(self.name, indices=idx.reshape(-1))]})[self.ps_index]
         assert value is not None, "a pull without a known version always returns the value"
         return value.reshape(idx.shape + self.shape[1:])
 
@@ -230,6 +230,34 @@ def _pull_spec(var: Variable, dtype: np.dtype | None) -> PullSpec:
     return PullSpec(var.name, as_dtype=None if wanted == var.dtype else wanted)
 
 
+def pull_specs(
+    conns: PSConnections,
+    by_ps: dict[int, list[PullSpec]],
+    timeouts: dict[int, float] | None = None,
+    outs: dict[int, list[np.ndarray | None]] | None = None,
+) -> dict[int, list[tuple[np.ndarray | None, int]]]:
+    """Pull ``by_ps[ps]`` from each PS task, all in parallel; ``(value, version)`` per spec.
+
+    Inside a worker's closure each PS first holds the pull at its step barrier (synchronous or
+    bounded-stale training; nothing waits otherwise), and the step this worker's next gradients
+    join is recorded (:func:`jaxdist.current_sync_step`). Every read of variables goes through
+    here, whole or by rows, so no read inside a closure skips the barrier.
+    """
+    contributor = current_contributor()
+    calls = {}
+    for ps, specs in by_ps.items():
+        kw: dict[str, Any] = {"timeout": None if timeouts is None else timeouts[ps], "out": None if outs is None else outs[ps]}
+        if contributor >= 0:
+            calls[ps] = operator.methodcaller("pull_at_barrier", specs, contributor, **kw)
+        else:
+            calls[ps] = operator.methodcaller("pull", specs, **kw)
+    got = conns.fan_out(calls)
+    if contributor < 0:
+        return got
+    note_sync_step(max(step for _, step in got.values()))
+    return {ps: res for ps, (res, _) in got.items()}
+
+
 def pull_arrays(
     variables: Sequence[Variable], out: Sequence[np.ndarray | None] | None = None, dtype: np.dtype | None = None
 ) -> list[np.ndarray]:
@@ -243,32 +271,12 @@ def pull_arrays(
     for i, v in enumerate(variables):
         by_ps[v.ps_index].append(i)
     conns = _connections_of(variables)
-    contributor = current_contributor()
-    if contributor >= 0:
-        # A worker's closure: under synchronous or bounded-stale training each PS first holds the
-        # pull at its step barrier; every PS reports the step this worker's next gradients join.
-        stepped = conns.fan_out({
-            ps: operator.methodcaller(
-                "pull_at_barrier",
-                [_pull_spec(variables[i], dtype) for i in idxs],
-                contributor,
-                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                out=None if out is None else [out[i] for i in idxs],
-            )
-            for ps, idxs in by_ps.items()
-        })
-        note_sync_step(max(step for _, step in stepped.values()))
-        results = {ps: res for ps, (res, _) in stepped.items()}
-    else:
-        results = conns.fan_out({
-            ps: operator.methodcaller(
-                "pull",
-                [_pull_spec(variables[i], dtype) for i in idxs],
-                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                out=None if out is None else [out[i] for i in idxs],
-            )
-            for ps, idxs in by_ps.items()
-        })
+    results = pull_specs(
+        conns,
+        {ps: [_pull_spec(variables[i], dtype) for i in idxs] for ps, idxs in by_ps.items()},
+        timeouts={ps: deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)) for ps, idxs in by_ps.items()},
+        outs=None if out is None else {ps: [out[i] for i in idxs] for ps, idxs in by_ps.items()},
+    )
     values: list[Any] = [None] * len(variables)
     for ps, idxs in by_ps.items():
         for i, (value, _version) in zip(idxs, results[ps]):

@@ -13,12 +13,16 @@ the workers' commits and the coordinator's membership changes, see
   gradients with other ops is refused. A push whose ``update_id`` is staged or
   was applied is a duplicate and changes nothing (exactly-once).
 - **Commit.** ``commit(w)`` ends ``w``'s current step (its clock goes up by
-  one). Workers commit only after their pushes reached every PS, so a
-  committed contribution is staged on every PS.
-- **Applying** step ``j``: per variable, the mean of the gradients its
-  contributions carry for it (sum divided by how many carried it), applied
-  once with the variable's optimizer (sparse rows: all rows, each scaled by
-  ``1/n``, applied once). The contributions' update ids become applied ids.
+  one) and counts ``w`` among the step's contributors. Workers commit only
+  after their pushes reached every PS, and on every PS (also one they pushed
+  nothing to), so a committed contribution is staged on every PS it
+  touches and every PS counts the same contributors.
+- **Applying** step ``j``: per variable, the sum of the gradients the step
+  holds for it divided by the step's contributor count ``n`` (a contributor
+  that pushed nothing for a variable counts as a zero gradient, as in one
+  process with the combined batch), applied once with the variable's
+  optimizer (sparse rows: all rows, each scaled by ``1/n``). The
+  contributions' update ids become applied ids.
 - **Barrier.** ``ready(w)``: ``applied >= clock_w - staleness``: a member
   starts step ``c`` only once the slowest member has committed ``c -
   staleness`` steps, i.e. it runs at most ``staleness`` steps ahead of the
@@ -72,6 +76,7 @@ class StepClock:
         self.applied = 0
         self.clocks: dict[int, int] = {}
         self._staged: dict[int, dict[int, Contribution]] = {}  # step -> contributor -> contribution
+        self._counted: dict[int, set[int]] = {}  # step -> contributors that committed it
         self._staged_ids: dict[str, tuple[int, int]] = {}  # update id -> (step, contributor)
         self._fenced: set[int] = set()
         self.max_lead = 0
@@ -87,6 +92,7 @@ class StepClock:
         discarded = len(self._staged_ids) + sum(1 for slot in self._staged.values() for c in slot.values() if not c.update_id)
         self._staged.clear()
         self._staged_ids.clear()
+        self._counted.clear()
         self._fenced.clear()
         if staleness < 0:
             self.enabled = False
@@ -163,6 +169,7 @@ class StepClock:
         """
         if not self.is_member(w) or w in self._fenced:
             raise StepMembershipError(f"worker {w} takes no part in the synchronous steps; nothing to commit")
+        self._counted.setdefault(self.clocks[w], set()).add(w)
         self.clocks[w] += 1
 
     def fence(self, w: int) -> list[int]:
@@ -178,6 +185,8 @@ class StepClock:
             return
         clock = self.clocks.pop(w)
         self._fenced.discard(w)
+        if keep >= clock:  # committed on another PS: a contributor of that step here too
+            self._counted.setdefault(keep, set()).add(w)
         for step in list(self._staged):
             slot = self._staged[step]
             c = slot.get(w)
@@ -216,16 +225,18 @@ class StepClock:
             return min(self.clocks.values())
         return max(self._staged, default=self.applied - 1) + 1
 
-    def pop_complete(self) -> list[tuple[int, list[Contribution]]]:
-        """The complete steps not applied yet, in order, with their contributions (the caller applies them)."""
+    def pop_complete(self) -> list[tuple[int, list[Contribution], int]]:
+        """The complete steps not applied yet, in order: ``(step, contributions, contributor count)``
+        (the caller applies them)."""
         out = []
         end = self.frontier()
         while self.applied < end:
             slot = self._staged.pop(self.applied, {})
+            counted = self._counted.pop(self.applied, set())
             contributions = [slot[w] for w in sorted(slot)]
             for c in contributions:
                 self._staged_ids.pop(c.update_id, None)
-            out.append((self.applied, contributions))
+            out.append((self.applied, contributions, max(len(counted | set(slot)), 1)))
             self.applied += 1
         return out
 
@@ -235,12 +246,13 @@ class StepClock:
                           list(staged_steps), self.max_lead, uncommitted)
 
 
-def mean_gradients(contributions: Sequence[Contribution], dtype_of: Callable[[str], np.dtype]) -> list[Update]:
-    """One update per variable: the mean of the contributions' gradients for it.
+def mean_gradients(contributions: Sequence[Contribution], dtype_of: Callable[[str], np.dtype], n: int | None = None) -> list[Update]:
+    """One update per variable: the sum of the contributions' gradients for it divided by ``n``
+    (the step's contributor count; None: how many contributions carry the variable).
 
     Dense gradients are summed in the variable's dtype, in contributor order,
-    then divided by their count. Sparse rows (and dense gradients mixed with
-    them) become one sparse update of every row, each scaled by ``1/n``.
+    then divided. Sparse rows (and dense gradients mixed with them) become one
+    sparse update of every row, each scaled by ``1/n``.
     """
     by_var: dict[str, list[Update]] = {}
     for c in contributions:
@@ -249,12 +261,12 @@ def mean_gradients(contributions: Sequence[Contribution], dtype_of: Callable[[st
     out = []
     for name, ups in by_var.items():
         dt = dtype_of(name)
-        n = len(ups)
+        count = len(ups) if n is None else n
         if all(u.op is Op.APPLY_GRADIENT for u in ups):
             total = np.array(ups[0].value, dtype=dt)
             for u in ups[1:]:
                 total += np.asarray(u.value, dtype=dt)
-            out.append(Update(name, Op.APPLY_GRADIENT, total / dt.type(n)))
+            out.append(Update(name, Op.APPLY_GRADIENT, total / dt.type(count)))
             continue
         dense = [u for u in ups if u.op is Op.APPLY_GRADIENT]
         sparse = [u for u in ups if u.op is Op.SPARSE_APPLY_GRADIENT]
@@ -264,7 +276,7 @@ def mean_gradients(contributions: Sequence[Contribution], dtype_of: Callable[[st
             v = np.asarray(u.value, dtype=dt)
             idx.append(np.arange(v.shape[0], dtype=np.int64))
             rows.append(v)
-        out.append(Update(name, Op.SPARSE_APPLY_GRADIENT, np.concatenate(rows) / dt.type(n), np.concatenate(idx)))
+        out.append(Update(name, Op.SPARSE_APPLY_GRADIENT, np.concatenate(rows) / dt.type(count), np.concatenate(idx)))
     return out
 
 
@@ -362,8 +374,8 @@ class SyncSteps:
 
     def _advance(self) -> None:
         """Apply every complete step, in order (lock held: steps are applied one at a time, in order)."""
-        for step, contributions in self._clock.pop_complete():
-            updates = mean_gradients(contributions, self._dtype_of)
+        for step, contributions, n in self._clock.pop_complete():
+            updates = mean_gradients(contributions, self._dtype_of, n)
             if updates:
                 self._apply_step(updates, [c.update_id for c in contributions if c.update_id], step)
             self.steps_applied += 1

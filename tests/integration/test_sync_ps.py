@@ -328,3 +328,44 @@ def test_a_removed_worker_leaves_the_steps_and_training_goes_on(cluster: InProce
     finally:
         coord.shutdown(exit_tasks=False)
         strategy.close()
+
+
+def test_row_reads_wait_at_the_barrier_and_sparse_gradients_are_averaged(cluster: InProcessCluster) -> None:
+    strategy = jaxdist.ParameterServerStrategy(
+        cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2), staleness=0)
+    with strategy.scope():
+        table = jaxdist.create_variable(np.zeros((10, 2), np.float32), name="table", optimizer=optax.sgd(1.0))
+    coord = jaxdist.ClusterCoordinator(strategy)
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured")
+
+        def step() -> tuple[int, int]:
+            w = jaxdist.current_worker_index()
+            table.sparse_read(np.array([w, 9]))  # only rows: the barrier still holds the read
+            s = jaxdist.current_sync_step()
+            # Row 9 (shard 1) from both workers; row 0 (shard 0) from worker 0 only: shard 0 gets no
+            # push from worker 1, yet its step's mean divides by the step's 2 workers.
+            rows = [0, 9] if w == 0 else [9]
+            jaxdist.apply_gradients(table, jaxdist.SparseGradient(rows, -np.ones((len(rows), 2), np.float32)))
+            return s, w
+
+        rvs = [coord.schedule(step) for _ in range(12)]
+        coord.join()
+        ran = [rv.fetch() for rv in rvs]
+        assert all(s >= 0 for s, _ in ran)  # every read waited at the barrier and learnt its step
+        by_step: dict[int, list[int]] = {}
+        for s, w in ran:
+            by_step.setdefault(s, []).append(w)
+        v = table.numpy()
+        # Sparse rows of a step are averaged over the step's workers (a row one worker did not push is
+        # its zero, as in one process with the combined batch): row 9 moves 1 per step; row 0 moves
+        # 1/(workers in the step) for each step worker 0 was in.
+        assert float(v[9, 0]) == pytest.approx(len(by_step))
+        want = sum(1.0 / len(ws) for ws in by_step.values() if 0 in ws)
+        assert float(v[0, 0]) == pytest.approx(want)
+        assert want < sum(1.0 for ws in by_step.values() if 0 in ws)  # some steps had both workers
+        reports = coord.step_barrier.reports()  # type: ignore[union-attr]
+        assert reports[0].applied == reports[1].applied == len(by_step) and reports[0].max_lead == 0
+    finally:
+        coord.shutdown(exit_tasks=False)
+        strategy.close()

@@ -38,7 +38,7 @@ def test_synchronous_step_applies_once_when_every_member_committed() -> None:
     assert c.stage(1, "b/1", [grad("w", 3.0)]) == 0
     c.commit(1)
     done = c.pop_complete()
-    assert [s for s, _ in done] == [0]
+    assert [s for s, _, _ in done] == [0]
     assert [x.contributor for x in done[0][1]] == [0, 1]
     assert c.applied == 1 and c.ready(0) and c.ready(1)
     assert c.pop_complete() == []  # applied once
@@ -59,7 +59,7 @@ def test_bounded_staleness_lets_a_worker_run_exactly_s_steps_ahead() -> None:
     assert c.max_lead == 2
     c.stage(1, "b/0", [grad("w", 1.0)])
     c.commit(1)
-    assert [s for s, _ in c.pop_complete()] == [0]
+    assert [s for s, _, _ in c.pop_complete()] == [0]
     assert c.ready(0)
 
 
@@ -86,8 +86,8 @@ def test_drop_discards_an_uncommitted_contribution_and_forgets_its_id() -> None:
         c.commit(1)  # fenced: its late commit changes nothing
     c.drop(1)
     assert not c.is_staged("b/1")  # the closure's re-run may push it again
-    ((step, contributions),) = c.pop_complete()
-    assert step == 0 and [x.update_id for x in contributions] == ["a/1"]
+    ((step, contributions, n),) = c.pop_complete()
+    assert step == 0 and [x.update_id for x in contributions] == ["a/1"] and n == 1
 
 
 def test_drop_keeps_a_contribution_at_the_kept_step() -> None:
@@ -97,8 +97,8 @@ def test_drop_keeps_a_contribution_at_the_kept_step() -> None:
     c.commit(0)
     c.fence(1)
     c.drop(1, keep=0)  # another PS had worker 1's commit: it counts here too
-    ((step, contributions),) = c.pop_complete()
-    assert [x.update_id for x in contributions] == ["a/1", "b/1"]
+    ((step, contributions, n),) = c.pop_complete()
+    assert [x.update_id for x in contributions] == ["a/1", "b/1"] and n == 2
 
 
 def test_join_starts_at_the_applied_step_and_skip_moves_an_idle_member() -> None:
@@ -113,7 +113,7 @@ def test_join_starts_at_the_applied_step_and_skip_moves_an_idle_member() -> None
     c.commit(0)
     assert c.pop_complete() == []  # waits for worker 1
     c.skip(1, 4)
-    assert [s for s, _ in c.pop_complete()] == [3]
+    assert [s for s, _, _ in c.pop_complete()] == [3]
     c.stage(1, "b/4", [grad("w", 1.0)])
     with pytest.raises(InvalidRequestError):
         c.skip(1, 6)  # it has an uncommitted contribution: not idle
@@ -138,6 +138,24 @@ def test_mean_of_dense_gradients_in_the_variable_dtype() -> None:
     np.testing.assert_array_equal(out["w"].value, [2.5, 2.5])
     assert out["w"].op is Op.APPLY_GRADIENT and out["w"].value.dtype == F32
     np.testing.assert_array_equal(out["b"].value, 2.0)  # only one contribution carried it
+
+
+def test_the_mean_divides_by_the_step_contributors_not_by_who_touched_the_variable() -> None:
+    # Worker 1 pushed only to another PS (other rows of an embedding): here its gradient is zero.
+    c = clock(0, [0, 1])
+    c.stage(0, "a/1", [grad("w", 4.0)])
+    c.commit(0)
+    c.commit(1)
+    ((step, contributions, n),) = c.pop_complete()
+    assert n == 2
+    (u,) = mean_gradients(contributions, lambda name: F32, n)
+    np.testing.assert_array_equal(u.value, [2.0, 2.0])  # one process, combined batch: (4 + 0) / 2
+    # A skipped (idle) worker is no contributor.
+    c.stage(0, "a/2", [grad("w", 4.0)])
+    c.commit(0)
+    c.skip(1, 2)
+    ((_, contributions, n),) = c.pop_complete()
+    assert n == 1
 
 
 def test_mean_of_bf16_gradients_is_taken_in_float32() -> None:
