@@ -33,6 +33,8 @@ __all__ = [
     "WorkerRestartedError",
     "UnidentifiedPushError",
     "UpdateMismatchError",
+    "StepMembershipError",
+    "StepBarrierTimeoutError",
 ]
 
 
@@ -226,3 +228,20 @@ class UpdateMismatchError(JaxdistError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "UPDATE_MISMATCH"
+
+
+class StepMembershipError(JaxdistError):
+    """A worker outside the synchronous steps (declared failed, or left) pushed gradients for one.
+
+    Its closure is re-run elsewhere by the coordinator; the push changed nothing."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "NOT_STEP_MEMBER"
+
+
+class StepBarrierTimeoutError(JaxdistError):
+    """A pull waited at the step barrier (synchronous or bounded-stale training) longer than its
+    limit: the slowest worker did not commit its step (see the README, "Bounded staleness")."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "STEP_BARRIER_TIMEOUT"

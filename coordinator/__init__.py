@@ -76,7 +76,7 @@ from jaxdist.sync import (
     scale_regularization_loss,
 )
 from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull
-from jaxdist.worker.context import current_worker_index
+from jaxdist.worker.context import current_sync_step, current_worker_index
 
 __version__ = "0.1.0"
 
@@ -147,6 +147,7 @@ __all__ = [
     "apply_gradients",
     "create_variable",
     "create_variables",
+    "current_sync_step",
     "current_worker_index",
     "embedding_lookup",
     "latest_checkpoint",

@@ -11,7 +11,6 @@ one call per PS task, all in parallel.
 
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -20,7 +19,7 @@ import numpy as np
 
 from jaxdist.partitioners import shard_offsets
 from jaxdist.proto.ps_wire import PullSpec
-from jaxdist.variables import Variable, VariableOps, locate_rows, pull
+from jaxdist.variables import Variable, VariableOps, locate_rows, pull, pull_specs
 
 __all__ = ["ShardedVariable", "embedding_lookup"]
 
@@ -74,12 +73,8 @@ class ShardedVariable(VariableOps):
             positions[int(s)] = sel
             by_ps[self.variables[int(s)].ps_index].append((int(s), local[sel]))
         conns = self.variables[0].connections()
-        results = conns.fan_out(
-            {
-                ps: operator.methodcaller("pull", [PullSpec(self.variables[s].name, indices=rows) for s, rows in items])
-                for ps, items in by_ps.items()
-            }
-        )
+        results = pull_specs(
+            conns, {ps: [PullSpec(self.variables[s].name, indices=rows) for s, rows in items] for ps, items in by_ps.items()})
         out = np.empty((len(uniq),) + self.shape[1:], self.dtype)
         for ps, items in by_ps.items():
             for (s, _rows), (value, _ver) in zip(items, results[ps]):

@@ -90,6 +90,13 @@ class ParameterServerStrategy(PSStrategyMethods):
         variable_partitioner: a :class:`jaxdist.partitioners.Partitioner`;
             variables it splits into k > 1 shards become ShardedVariables.
         connect_timeout: seconds to wait for every PS task to be healthy.
+        staleness: None (default): asynchronous training, TF's behaviour:
+            every push is applied when it arrives. An int ``s >= 0``:
+            bounded-stale training: the gradients of each worker's closures
+            are aggregated on the PS per step (the mean of the step's
+            gradients, applied once per step) and a worker runs at most
+            ``s`` steps ahead of the slowest; ``staleness=0`` is synchronous
+            SGD. See the README, "Bounded staleness and synchronous training".
     """
 
     def __init__(
@@ -97,7 +104,12 @@ class ParameterServerStrategy(PSStrategyMethods):
         cluster_resolver: ClusterResolver,
         variable_partitioner: Partitioner | Callable[..., Any] | None = None,
         connect_timeout: float = 60.0,
+        staleness: int | None = None,
     ) -> None:
+        if staleness is not None and (isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0):
+            raise ValueError(f"staleness must be None (asynchronous) or an int >= 0, got {staleness!r}")
+        #: Steps a worker may run ahead of the slowest (0: synchronous); None: asynchronous.
+        self.staleness = staleness
         self.cluster_resolver = cluster_resolver
         spec = cluster_resolver.cluster_spec()
         ps = spec.job_tasks("ps")
@@ -109,6 +121,10 @@ class ParameterServerStrategy(PSStrategyMethods):
         self.credentials: Credentials = cluster_resolver.credentials
         self._partitioner = variable_partitioner
         backups = spec.job_tasks("ps_backup")
+        if backups and staleness is not None:
+            raise ConfigurationError(
+                "staleness= (synchronous steps) does not combine with PS replication (a 'ps_backup' job) yet: "
+                "a promoted backup would not hold the staged gradients of the step being formed")
         for addr in ps + backups:
             rpc.wait_healthy(addr, connect_timeout, self.credentials)
         self._conns = PSConnections(ps, self.credentials)
@@ -164,7 +180,8 @@ class ParameterServerStrategy(PSStrategyMethods):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """Replicas that take one step together: 1 (each worker trains asynchronously)."""
+        """Replicas that take one step together on this process: 1 (a closure is one replica; under
+        ``staleness`` the PS averages the workers' gradients per step)."""
         return 1
 
     @property

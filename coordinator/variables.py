@@ -30,13 +30,14 @@ from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
-from jaxdist.worker.context import current_ps, next_update_id
+from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
 __all__ = [
     "Variable",
     "VariableOps",
     "SparseGradient",
     "pull",
+    "pull_specs",
     "apply_gradients",
     "push_updates",
     "split_update",
@@ -188,8 +189,7 @@ class Variable(VariableOps):
     def sparse_read(self, indices: Any) -> np.ndarray:
         """Pull only rows ``indices`` of dim 0."""
         idx = np.asarray(indices, dtype=np.int64)
-        conns = self.connections()
-        ((value, _),) = conns.client(self.ps_index).pull([PullSpec(self.name, indices=idx.reshape(-1))])
+        ((value, _),) = pull_specs(self.connections(), {self.ps_index: [PullSpec(self.name, indices=idx.reshape(-1))]})[self.ps_index]
         assert value is not None, "a pull without a known version always returns the value"
         return value.reshape(idx.shape + self.shape[1:])
 
@@ -232,6 +232,34 @@ def _pull_spec(var: Variable, dtype: np.dtype | None) -> PullSpec:
     return PullSpec(var.name, as_dtype=None if wanted == var.dtype else wanted)
 
 
+def pull_specs(
+    conns: PSConnections,
+    by_ps: dict[int, list[PullSpec]],
+    timeouts: dict[int, float] | None = None,
+    outs: dict[int, list[np.ndarray | None]] | None = None,
+) -> dict[int, list[tuple[np.ndarray | None, int]]]:
+    """Pull ``by_ps[ps]`` from each PS task, all in parallel; ``(value, version)`` per spec.
+
+    Inside a worker's closure each PS first holds the pull at its step barrier (synchronous or
+    bounded-stale training; nothing waits otherwise), and the step this worker's next gradients
+    join is recorded (:func:`jaxdist.current_sync_step`). Every read of variables goes through
+    here, whole or by rows, so no read inside a closure skips the barrier.
+    """
+    contributor = current_contributor()
+    calls = {}
+    for ps, specs in by_ps.items():
+        kw: dict[str, Any] = {"timeout": None if timeouts is None else timeouts[ps], "out": None if outs is None else outs[ps]}
+        if contributor >= 0:
+            calls[ps] = operator.methodcaller("pull_at_barrier", specs, contributor, **kw)
+        else:
+            calls[ps] = operator.methodcaller("pull", specs, **kw)
+    got = conns.fan_out(calls)
+    if contributor < 0:
+        return got
+    note_sync_step(max(step for _, step in got.values()))
+    return {ps: res for ps, (res, _) in got.items()}
+
+
 def pull_arrays(
     variables: Sequence[Variable], out: Sequence[np.ndarray | None] | None = None, dtype: np.dtype | None = None
 ) -> list[np.ndarray]:
@@ -245,16 +273,12 @@ def pull_arrays(
     for i, v in enumerate(variables):
         by_ps[v.ps_index].append(i)
     conns = _connections_of(variables)
-    calls = {
-        ps: operator.methodcaller(
-            "pull",
-            [_pull_spec(variables[i], dtype) for i in idxs],
-            timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-            out=None if out is None else [out[i] for i in idxs],
-        )
-        for ps, idxs in by_ps.items()
-    }
-    results = conns.fan_out(calls)
+    results = pull_specs(
+        conns,
+        {ps: [_pull_spec(variables[i], dtype) for i in idxs] for ps, idxs in by_ps.items()},
+        timeouts={ps: deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)) for ps, idxs in by_ps.items()},
+        outs=None if out is None else {ps: [out[i] for i in idxs] for ps, idxs in by_ps.items()},
+    )
     values: list[Any] = [None] * len(variables)
     for ps, idxs in by_ps.items():
         for i, (value, _version) in zip(idxs, results[ps]):
@@ -387,7 +411,22 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     # Handles without connections of their own push through the worker's: such a push must carry
     # the closure's identity (or is refused), a coordinator's push carries none.
     update_id = next_update_id(own_connections=any(v._conns is not None for v in variables))
-    conns.fan_out({ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()})
+    contributor = current_contributor()
+    if contributor < 0:
+        conns.fan_out({ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()})
+        return
+    # A worker's closure. Under synchronous or bounded-stale training each PS stages the gradients
+    # for this worker's step; the step is committed on *every* PS only once all pushes landed, so a
+    # committed contribution is on every PS (a worker that dies between the two never half-commits).
+    # With one PS task the push commits itself.
+    single = len(conns.clients) == 1
+    pulled_at = current_sync_step()  # the PS checks the worker is still at the step it computed on
+    answers = conns.fan_out({ps: operator.methodcaller("push_step", specs, update_id, contributor, commit=single,
+                                                       step=pulled_at)
+                             for ps, specs in by_ps.items()})
+    if not single and any(a.staged for a in answers.values()):
+        conns.fan_out({ps: operator.methodcaller("sync_steps", ps_wire.SyncKind.COMMIT, contributor)
+                       for ps in range(len(conns.clients))})
 
 
 def gradient_updates(var: VariableOps, grad: Any, transfer_dtype: Any = None, broadcast: bool = True) -> list[ShardUpdate]:

@@ -34,6 +34,16 @@ class ReplicaKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_UPDATE: _ClassVar[ReplicaKind]
     REPLICA_INSTALL: _ClassVar[ReplicaKind]
     REPLICA_DELETE: _ClassVar[ReplicaKind]
+
+class SyncStepsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SYNC_STATUS: _ClassVar[SyncStepsKind]
+    SYNC_CONFIGURE: _ClassVar[SyncStepsKind]
+    SYNC_COMMIT: _ClassVar[SyncStepsKind]
+    SYNC_FENCE: _ClassVar[SyncStepsKind]
+    SYNC_DROP: _ClassVar[SyncStepsKind]
+    SYNC_JOIN: _ClassVar[SyncStepsKind]
+    SYNC_SKIP: _ClassVar[SyncStepsKind]
 OP_UNSPECIFIED: UpdateOp
 CREATE: UpdateOp
 ASSIGN: UpdateOp
@@ -52,6 +62,13 @@ REPLACE: IfExists
 REPLICA_UPDATE: ReplicaKind
 REPLICA_INSTALL: ReplicaKind
 REPLICA_DELETE: ReplicaKind
+SYNC_STATUS: SyncStepsKind
+SYNC_CONFIGURE: SyncStepsKind
+SYNC_COMMIT: SyncStepsKind
+SYNC_FENCE: SyncStepsKind
+SYNC_DROP: SyncStepsKind
+SYNC_JOIN: SyncStepsKind
+SYNC_SKIP: SyncStepsKind
 
 class RawFrame(_message.Message):
     __slots__ = ("data",)
@@ -74,10 +91,14 @@ class PullEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., known_version: _Optional[int] = ..., indices: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., has_indices: _Optional[bool] = ..., as_dtype: _Optional[_Union[_common_pb2.DType, str]] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "contributor", "barrier_wait_ms")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PullEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[PullEntry, _Mapping]]] = ...) -> None: ...
+    contributor: int
+    barrier_wait_ms: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[PullEntry, _Mapping]]] = ..., contributor: _Optional[int] = ..., barrier_wait_ms: _Optional[int] = ...) -> None: ...
 
 class PulledTensor(_message.Message):
     __slots__ = ("spec", "version", "not_modified")
@@ -90,10 +111,16 @@ class PulledTensor(_message.Message):
     def __init__(self, spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., not_modified: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "barrier_waiting", "synchronous", "step")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    BARRIER_WAITING_FIELD_NUMBER: _ClassVar[int]
+    SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PulledTensor]
-    def __init__(self, entries: _Optional[_Iterable[_Union[PulledTensor, _Mapping]]] = ...) -> None: ...
+    barrier_waiting: bool
+    synchronous: bool
+    step: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[PulledTensor, _Mapping]]] = ..., barrier_waiting: _Optional[bool] = ..., synchronous: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class UpdateEntry(_message.Message):
     __slots__ = ("name", "op", "value", "has_value", "indices", "has_indices", "create_spec", "optimizer", "optimizer_digest", "initializer", "if_exists", "offset")
@@ -124,20 +151,30 @@ class UpdateEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., op: _Optional[_Union[UpdateOp, str]] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_value: _Optional[bool] = ..., indices: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_indices: _Optional[bool] = ..., create_spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., initializer: _Optional[bytes] = ..., if_exists: _Optional[_Union[IfExists, str]] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("entries", "update_id")
+    __slots__ = ("entries", "update_id", "contributor", "commit", "step")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[UpdateEntry]
     update_id: str
-    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ...) -> None: ...
+    contributor: int
+    commit: bool
+    step: int
+    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ..., contributor: _Optional[int] = ..., commit: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("versions", "duplicate")
+    __slots__ = ("versions", "duplicate", "staged", "step")
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedScalarFieldContainer[int]
     duplicate: bool
-    def __init__(self, versions: _Optional[_Iterable[int]] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+    staged: bool
+    step: int
+    def __init__(self, versions: _Optional[_Iterable[int]] = ..., duplicate: _Optional[bool] = ..., staged: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
 
 class VariableInfo(_message.Message):
     __slots__ = ("name", "spec", "version", "has_optimizer")
@@ -308,3 +345,39 @@ class PromoteResponse(_message.Message):
     epoch: int
     variables: int
     def __init__(self, epoch: _Optional[int] = ..., variables: _Optional[int] = ...) -> None: ...
+
+class SyncStepsRequest(_message.Message):
+    __slots__ = ("kind", "contributor", "staleness", "members", "step")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    kind: SyncStepsKind
+    contributor: int
+    staleness: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    def __init__(self, kind: _Optional[_Union[SyncStepsKind, str]] = ..., contributor: _Optional[int] = ..., staleness: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class SyncStepsResponse(_message.Message):
+    __slots__ = ("enabled", "staleness", "applied", "members", "clocks", "waiting", "staged_steps", "max_lead", "uncommitted")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    CLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    STAGED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LEAD_FIELD_NUMBER: _ClassVar[int]
+    UNCOMMITTED_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    staleness: int
+    applied: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    clocks: _containers.RepeatedScalarFieldContainer[int]
+    waiting: _containers.RepeatedScalarFieldContainer[int]
+    staged_steps: _containers.RepeatedScalarFieldContainer[int]
+    max_lead: int
+    uncommitted: int
+    def __init__(self, enabled: _Optional[bool] = ..., staleness: _Optional[int] = ..., applied: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[int]] = ..., staged_steps: _Optional[_Iterable[int]] = ..., max_lead: _Optional[int] = ..., uncommitted: _Optional[int] = ...) -> None: ...

@@ -90,6 +90,11 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
                 _registered_method=True)
+        self.SyncSteps = channel.unary_unary(
+                '/jaxdist.ParameterServer/SyncSteps',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -171,6 +176,14 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SyncSteps(self, request, context):
+        """Synchronous and bounded-stale training (ps_server/sync_steps.py): the coordinator
+        configures the step clock and changes its membership; workers commit their steps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -228,6 +241,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Promote,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.SerializeToString,
+            ),
+            'SyncSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncSteps,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -527,6 +545,33 @@ class ParameterServer:
             '/jaxdist.ParameterServer/Promote',
             jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/SyncSteps',
+            jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -71,6 +71,12 @@ __all__ = [
     "encode_replica_delete",
     "replica_payload_specs",
     "decode_replica_installs",
+    "SyncKind",
+    "SyncReport",
+    "encode_sync_request",
+    "decode_sync_request",
+    "encode_sync_report",
+    "decode_sync_report",
 ]
 
 #: (shape, dtype) of one payload array, as the receiver allocates it.
@@ -283,9 +289,14 @@ def optimizer_payload(optimizer: Any) -> tuple[bytes, str]:
 
 
 # ------------------------------------------------------------------------ pull
-def encode_pull(specs: Sequence[PullSpec]) -> ps_pb2.PullRequest:
-    """A PullRequest for ``specs`` (indices travel inline: they are small)."""
-    req = ps_pb2.PullRequest()
+def encode_pull(specs: Sequence[PullSpec], contributor: int = -1, barrier_wait_s: float = 0.0) -> ps_pb2.PullRequest:
+    """A PullRequest for ``specs`` (indices travel inline: they are small).
+
+    ``contributor`` (a worker index, -1: none) makes a PS running synchronous
+    steps wait at the step barrier first, up to ``barrier_wait_s``.
+    """
+    req = ps_pb2.PullRequest(contributor=contributor + 1 if contributor >= 0 else 0,
+                             barrier_wait_ms=int(barrier_wait_s * 1000) if contributor >= 0 else 0)
     for s in specs:
         e = req.entries.add(name=s.name, known_version=s.known_version if s.known_version >= 0 else 0)
         if s.as_dtype is not None:
@@ -365,13 +376,23 @@ def _add_payload(e: ps_pb2.UpdateEntry, value: Any, indices: np.ndarray | None, 
 
 
 def encode_push(
-    updates: Sequence[Update], update_id: str = "", out: ps_pb2.PushHeader | None = None
+    updates: Sequence[Update], update_id: str = "", out: ps_pb2.PushHeader | None = None,
+    contributor: int = -1, commit: bool = False, step: int = -1,
 ) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
     """A push as its header (written into ``out`` if given) and payload arrays: per entry its
     value, then its indices (int64) if it has any. Values travel in their own dtype: convert
-    them with :func:`wire_value` first."""
+    them with :func:`wire_value` first.
+
+    ``contributor`` (a worker index, -1: none): on a PS running synchronous steps, its
+    gradients are staged for its current step; ``commit`` commits that step at once; ``step``
+    (-1: unknown) is the step the contributor's pull reported, checked by the PS.
+    """
     header = out if out is not None else ps_pb2.PushHeader()
     header.update_id = update_id
+    if contributor >= 0:
+        header.contributor = contributor + 1
+        header.commit = commit
+        header.step = step + 1 if step >= 0 else 0
     arrays: list[np.ndarray] = []
     for u in updates:
         e = header.entries.add(name=u.name, op=u.op.wire)
@@ -703,3 +724,86 @@ def decode_replica_installs(
             raise InvalidRequestError(f"variable {e.name!r}: optimizer state sent without an optimizer")
         out.append((e.name, value, opt, state, int(e.version)))
     return out
+
+
+# ----------------------------------------------------------- synchronous steps
+class SyncKind(enum.Enum):
+    """A ``SyncSteps`` request (``ps.proto``'s ``SyncStepsKind``); see :mod:`jaxdist.ps_server.sync_steps`."""
+
+    STATUS = "status"
+    CONFIGURE = "configure"
+    COMMIT = "commit"
+    FENCE = "fence"
+    DROP = "drop"
+    JOIN = "join"
+    SKIP = "skip"
+
+    @property
+    def wire(self) -> ps_pb2.SyncStepsKind:
+        return _SYNC_TO_WIRE[self]
+
+    @classmethod
+    def from_wire(cls, code: int) -> SyncKind:
+        for k, v in _SYNC_TO_WIRE.items():
+            if v == code:
+                return k
+        raise InvalidRequestError(f"unknown SyncSteps kind {code}")
+
+
+_SYNC_TO_WIRE: dict[SyncKind, ps_pb2.SyncStepsKind] = {
+    SyncKind.STATUS: ps_pb2.SYNC_STATUS,
+    SyncKind.CONFIGURE: ps_pb2.SYNC_CONFIGURE,
+    SyncKind.COMMIT: ps_pb2.SYNC_COMMIT,
+    SyncKind.FENCE: ps_pb2.SYNC_FENCE,
+    SyncKind.DROP: ps_pb2.SYNC_DROP,
+    SyncKind.JOIN: ps_pb2.SYNC_JOIN,
+    SyncKind.SKIP: ps_pb2.SYNC_SKIP,
+}
+
+
+@dataclass
+class SyncReport:
+    """A PS's step clock (``SyncStepsResponse``): ``clocks`` maps each member to the steps it committed."""
+
+    enabled: bool
+    staleness: int
+    applied: int
+    clocks: dict[int, int]
+    waiting: list[int]
+    staged_steps: list[int]
+    max_lead: int = 0
+    uncommitted: int = 0
+
+
+def encode_sync_request(kind: SyncKind, contributor: int = -1, staleness: int = 0,
+                        members: Sequence[int] = (), step: int = -1) -> ps_pb2.SyncStepsRequest:
+    return ps_pb2.SyncStepsRequest(kind=kind.wire, contributor=contributor, staleness=staleness,
+                                   members=list(members), step=step)
+
+
+def decode_sync_request(req: ps_pb2.SyncStepsRequest) -> tuple[SyncKind, int, int, list[int], int]:
+    """``(kind, contributor, staleness, members, step)``.
+
+    Raises:
+        InvalidRequestError: an unknown kind, or a negative worker index where one is needed.
+    """
+    kind = SyncKind.from_wire(req.kind)
+    if kind not in (SyncKind.STATUS, SyncKind.CONFIGURE) and req.contributor < 0:
+        raise InvalidRequestError(f"SyncSteps {kind.value} needs a worker index >= 0, got {req.contributor}")
+    if kind is SyncKind.CONFIGURE and any(m < 0 for m in req.members):
+        raise InvalidRequestError("SyncSteps configure: worker indices must be >= 0")
+    return kind, req.contributor, req.staleness, list(req.members), req.step
+
+
+def encode_sync_report(r: SyncReport) -> ps_pb2.SyncStepsResponse:
+    members = sorted(r.clocks)
+    return ps_pb2.SyncStepsResponse(
+        enabled=r.enabled, staleness=r.staleness, applied=r.applied, members=members,
+        clocks=[r.clocks[m] for m in members], waiting=list(r.waiting), staged_steps=list(r.staged_steps),
+        max_lead=r.max_lead, uncommitted=r.uncommitted,
+    )
+
+
+def decode_sync_report(resp: ps_pb2.SyncStepsResponse) -> SyncReport:
+    return SyncReport(resp.enabled, resp.staleness, resp.applied, dict(zip(resp.members, resp.clocks)),
+                      list(resp.waiting), list(resp.staged_steps), resp.max_lead, resp.uncommitted)

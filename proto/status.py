@@ -34,6 +34,8 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
         E.StaleEpochError,
         E.UnidentifiedPushError,
         E.UpdateMismatchError,
+        E.StepMembershipError,
+        E.StepBarrierTimeoutError,
     )
 }
 

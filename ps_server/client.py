@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from jaxdist.base.errors import StepBarrierTimeoutError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
 from jaxdist.transport import dataplane
@@ -35,7 +36,7 @@ from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CreateSpec", "PSClient", "PullSpec", "Update", "deadline_for"]
+__all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "PSClient", "PullSpec", "Update", "deadline_for"]
 
 #: Deadline = base + bytes / rate: generous for loopback, still bounded. A dead
 #: peer is not always announced by a connection reset (e.g. a frozen or cut-off
@@ -48,6 +49,12 @@ _BASE_DEADLINE_S = 10.0
 _DP_RETRY_REFUSED_S = (1.0, 30.0)
 _DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
+
+
+#: How long a pull may wait at the step barrier (synchronous / bounded-stale training) in all,
+#: and how long one call waits there before the PS answers "still waiting" and it asks again.
+DEFAULT_BARRIER_TIMEOUT_S = 600.0
+_BARRIER_POLL_S = 2.0
 
 
 def deadline_for(nbytes: int) -> float:
@@ -117,6 +124,7 @@ class PSClient(ServiceClient):
         self._restore = self._unary("Restore", ps_pb2.RestoreRequest, ps_pb2.RestoreResponse)
         self._set_backup = self._unary("SetBackup", ps_pb2.SetBackupRequest, ps_pb2.SetBackupResponse)
         self._promote = self._unary("Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
+        self._sync_steps = self._unary("SyncSteps", ps_pb2.SyncStepsRequest, ps_pb2.SyncStepsResponse)
 
     def close(self) -> None:
         with self._dp_lock:
@@ -223,8 +231,34 @@ class PSClient(ServiceClient):
         ``out`` optionally gives, per spec, an array to receive the value in
         place (it is returned when it matches the variable's shape and dtype).
         """
-        req = ps_wire.encode_pull(specs)
-        timeout = timeout or _BASE_DEADLINE_S * 6
+        header, arrays = self._pull_once(ps_wire.encode_pull(specs), timeout or _BASE_DEADLINE_S * 6, out)
+        return ps_wire.pull_results(header, arrays)
+
+    def pull_at_barrier(
+        self, specs: Sequence[PullSpec], contributor: int, timeout: float | None = None,
+        out: Sequence[np.ndarray | None] | None = None, barrier_timeout: float = DEFAULT_BARRIER_TIMEOUT_S,
+    ) -> tuple[list[tuple[np.ndarray | None, int]], int]:
+        """:meth:`pull` for worker ``contributor``'s closure: on a PS running synchronous steps it
+        first waits at the step barrier (asking again every few seconds, up to ``barrier_timeout``);
+        returns the results and the step the worker's next gradients belong to (-1: no steps).
+
+        Raises:
+            StepBarrierTimeoutError: the barrier stayed closed for ``barrier_timeout`` seconds.
+        """
+        req = ps_wire.encode_pull(specs, contributor, _BARRIER_POLL_S)
+        deadline = time.monotonic() + barrier_timeout
+        while True:
+            header, arrays = self._pull_once(req, (timeout or _BASE_DEADLINE_S * 6) + _BARRIER_POLL_S, out)
+            if not header.barrier_waiting:
+                return ps_wire.pull_results(header, arrays), header.step if header.synchronous else -1
+            if time.monotonic() > deadline:
+                raise StepBarrierTimeoutError(
+                    f"{self.task}: worker {contributor} waited {barrier_timeout:.0f}s at the step barrier (step "
+                    f"{header.step}); the slowest worker never committed its step")
+
+    def _pull_once(
+        self, req: ps_pb2.PullRequest, timeout: float, out: Sequence[np.ndarray | None] | None
+    ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
         if self._dp_host is not None:
             got: dict[str, ps_pb2.PullHeader] = {}
 
@@ -234,7 +268,7 @@ class PSClient(ServiceClient):
 
             res = self._data_plane_call(dataplane.PULL, req.SerializeToString(), (), timeout, receive)
             if res is not None:
-                return ps_wire.pull_results(got["header"], res[1])
+                return got["header"], res[1]
         with self._calling() as metadata:
             stream = self._pull(req, metadata=metadata, timeout=timeout)
             header = ps_pb2.PullHeader.FromString(next(stream))
@@ -242,7 +276,7 @@ class PSClient(ServiceClient):
             for frame in stream:
                 reader.feed(frame)
             arrays = reader.finish()
-        return ps_wire.pull_results(header, arrays)
+        return header, arrays
 
     # -------------------------------------------------------------------- push
     @staticmethod
@@ -270,6 +304,25 @@ class PSClient(ServiceClient):
         header, arrays = ps_wire.encode_push(updates, update_id)
         resp = self._send(header, arrays, timeout)
         return list(resp.versions), resp.duplicate
+
+    def push_step(
+        self, updates: Sequence[Update], update_id: str, contributor: int, commit: bool = False, step: int = -1,
+        timeout: float | None = None,
+    ) -> ps_pb2.PushResponse:
+        """:meth:`push` from worker ``contributor``'s closure: on a PS running synchronous steps its
+        gradients are staged for its step (``staged`` in the answer) and, with ``commit``, the step
+        is committed in the same call. ``step`` (-1: unknown): the step its pull reported; the PS
+        refuses the push (:class:`StepMembershipError`) when the worker is no longer at it."""
+        header, arrays = ps_wire.encode_push(updates, update_id, contributor=contributor, commit=commit, step=step)
+        return self._send(header, arrays, timeout)
+
+    def sync_steps(
+        self, kind: ps_wire.SyncKind, contributor: int = -1, staleness: int = 0, members: Sequence[int] = (),
+        step: int = -1, timeout: float = 10.0,
+    ) -> ps_wire.SyncReport:
+        """One ``SyncSteps`` request (see :mod:`jaxdist.ps_server.sync_steps`); the PS's step clock after it."""
+        req = ps_wire.encode_sync_request(kind, contributor, staleness, members, step)
+        return ps_wire.decode_sync_report(self._call(self._sync_steps, req, timeout))
 
     def create(self, specs: Sequence[CreateSpec], timeout: float | None = None) -> list[int]:
         """Create variables (values travel as payload; initializers run on the PS)."""

@@ -7,7 +7,9 @@ that does the work and encodes the answer:
 - optimizers sent by clients: :class:`~jaxdist.ps_server.optimizer_cache.OptimizerCache`;
 - Save/Restore: :mod:`jaxdist.ps_server.save_restore`;
 - primary/backup replication: :class:`~jaxdist.ps_server.backup.Replication`;
-- what is counted: :class:`~jaxdist.ps_server.counters.PSCounters`.
+- what is counted: :class:`~jaxdist.ps_server.counters.PSCounters`;
+- synchronous and bounded-stale steps (the step barrier pulls wait at, gradients
+  staged per step and applied as their mean): :class:`~jaxdist.ps_server.sync_steps.SyncSteps`.
 
 Pull and Push are served over gRPC (:meth:`handlers`) and over the data plane
 (:meth:`data_plane_handlers`); both go through the same two halves
@@ -36,6 +38,7 @@ from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
 from jaxdist.ps_server.optimizer_cache import OptimizerCache, unpickle
 from jaxdist.ps_server.store import NewVariable, VariableStore
+from jaxdist.ps_server.sync_steps import SyncSteps
 from jaxdist.transport import dataplane
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.transport.handlers import stream_in_handler, stream_out_handler, unary_handler
@@ -45,6 +48,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["SERVICE", "ParameterServerServicer"]
 
 SERVICE = "jaxdist.ParameterServer"
+
+#: Longest a pull waits at the step barrier before answering "still waiting" (the client asks again):
+#: bounds how long a data-plane connection or gRPC thread is held.
+_MAX_BARRIER_WAIT_MS = 2000
 
 
 class ParameterServerServicer:
@@ -59,6 +66,7 @@ class ParameterServerServicer:
         self.optimizers = OptimizerCache()
         self.counters = PSCounters()
         self.replication = Replication(store, self._send_replica, self.optimizers.blob)
+        self.sync = SyncSteps(store.apply_step, lambda name: store.spec(name)[1], store.was_applied)
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
@@ -78,6 +86,7 @@ class ParameterServerServicer:
             "Replicate": stream_in_handler("Replicate", self.replicate),
             "SetBackup": unary_handler("SetBackup", ps_pb2.SetBackupRequest.FromString, self.set_backup),
             "Promote": unary_handler("Promote", ps_pb2.PromoteRequest.FromString, self.promote),
+            "SyncSteps": unary_handler("SyncSteps", ps_pb2.SyncStepsRequest.FromString, self.sync_steps),
         }
 
     def data_plane_handlers(self) -> dict[int, dataplane.Handler]:
@@ -96,9 +105,18 @@ class ParameterServerServicer:
         """The response header and payload arrays, valid while the context is open (read snapshots)."""
         self.replication.check_primary(self.task)
         specs = ps_wire.decode_pull(req, self.store.max_variable_bytes)
+        step = -1
+        if req.contributor > 0 and self.sync.enabled:
+            # The step barrier: wait (bounded; the client asks again) until this worker may start its step.
+            is_open, step = self.sync.wait_ready(req.contributor - 1, min(req.barrier_wait_ms, _MAX_BARRIER_WAIT_MS) / 1000)
+            if not is_open:
+                yield ps_pb2.PullHeader(barrier_waiting=True, synchronous=True, step=step), []
+                return
         with ExitStack() as stack:
             reads = [stack.enter_context(self.store.reading(s.name, s.indices, s.known_version, s.as_dtype)) for s in specs]
             header, payload = ps_wire.encode_pull_header(reads)
+            if step >= 0:
+                header.synchronous, header.step = True, step
             self.counters.add(pulls=1, bytes_pulled=sum(a.nbytes for a in payload))
             self.counters.add_variable_bytes("pulled", ((s.name, r.value.nbytes) for s, r in zip(specs, reads) if r.value is not None))
             yield header, payload
@@ -130,6 +148,13 @@ class ParameterServerServicer:
             self.replication.forward_install([c.name for c in created])
             return ps_pb2.PushResponse(versions=versions)
         updates = ps_wire.decode_updates(header, iter(received))
+        if header.contributor > 0 and self.sync.enabled and any(u.op in ps_wire.GRADIENT_OPS for u in updates):
+            # A worker's gradients in synchronous steps: staged for its step, applied as the step's mean.
+            self.store.validate(updates)
+            dup, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit, header.step - 1)
+            self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
+            self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
+            return ps_pb2.PushResponse(duplicate=dup, staged=not dup, step=step)
         versions, dup = self.store.apply(updates, header.update_id)
         self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
         self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
@@ -162,6 +187,10 @@ class ParameterServerServicer:
             optimizer=self.optimizers.get(c.optimizer, c.optimizer_digest),
             if_exists=c.if_exists,
         )
+
+    def sync_steps(self, req: ps_pb2.SyncStepsRequest, context: grpc.ServicerContext) -> ps_pb2.SyncStepsResponse:
+        kind, contributor, staleness, members, step = ps_wire.decode_sync_request(req)
+        return ps_wire.encode_sync_report(self.sync.control(kind, contributor, staleness, members, step))
 
     # -------------------------------------------------------------- checkpoint
     def save(self, req: ps_pb2.SaveRequest, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
@@ -199,6 +228,7 @@ class ParameterServerServicer:
         counters["replica_has_backup"] = 1.0 if r.backup else 0.0
         counters["replica_forwarded"] = float(r.forwarded)
         counters["replica_degraded"] = float(r.degraded_events)
+        counters["sync_steps_applied"] = float(self.sync.steps_applied)
         return common_pb2.TaskStatus(
             role="ps", index=self.task_index, incarnation=self.incarnation,
             uptime_s=time.monotonic() - self.started, counters=counters, data_port=self.data_port,

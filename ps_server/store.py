@@ -439,6 +439,33 @@ class VariableStore:
                     self._in_progress.pop(update_id).set()
         return versions, False
 
+    def validate(self, updates: Sequence[Update]) -> None:
+        """Check a push (names, shapes, dtypes, indices, optimizers) without applying it.
+
+        Raises:
+            VariableNotFoundError, ShapeMismatchError, DTypeMismatchError, InvalidRequestError.
+        """
+        with self._lock:
+            vars_ = [self._get(u.name) for u in updates]
+        for v, u in zip(vars_, updates):
+            self._validate(v, u)
+
+    def was_applied(self, update_id: str) -> bool:
+        """Whether ``update_id`` is in the dedupe table (applied here)."""
+        with self._lock:
+            return update_id in self._applied or update_id in self._in_progress
+
+    def apply_step(self, updates: Sequence[Update], update_ids: Sequence[str], step: int) -> list[int]:
+        """Apply one synchronous step's mean gradients atomically, as push ``sync-step/<step>``, and
+        record ``update_ids`` (the step's contributions) as applied: a re-sent contribution is a duplicate."""
+        versions, _ = self.apply(updates, f"sync-step/{step}")
+        with self._lock:
+            for i in update_ids:
+                self._applied[i] = ""  # a step's contributions: their digests are not kept ("": unknown)
+            while len(self._applied) > self._dedupe_capacity:
+                self._applied.popitem(last=False)
+        return versions
+
     def _apply_locked(self, updates: Sequence[Update], update_id: str, digest: str) -> list[int]:
         with self._lock:
             vars_ = [self._get(u.name) for u in updates]

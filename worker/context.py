@@ -54,9 +54,12 @@ __all__ = [
     "current",
     "current_num_workers",
     "current_ps",
+    "current_contributor",
+    "current_sync_step",
     "current_worker_index",
     "inherit_in_threads",
     "next_update_id",
+    "note_sync_step",
     "use",
 ]
 
@@ -91,7 +94,7 @@ class ClosureIdentity:
     scheduling, so :meth:`next_update_id` refuses it.
     """
 
-    __slots__ = ("prefix", "_seq", "_children", "_owner", "_lock")
+    __slots__ = ("prefix", "_seq", "_children", "_owner", "_lock", "sync_step")
 
     def __init__(self, prefix: str, owner: int | None = None) -> None:
         self.prefix = prefix
@@ -100,6 +103,8 @@ class ClosureIdentity:
         #: ``threading.get_ident()`` of the thread whose pushes these are (0: not bound yet).
         self._owner = threading.get_ident() if owner is None else owner
         self._lock = threading.Lock()
+        #: The synchronous step this closure's gradients belong to, as its last pull learnt it (-1: none).
+        self.sync_step = -1
 
     def bind(self) -> None:
         """Make the calling thread the owner (a child identity, in the thread or call it was made for)."""
@@ -321,6 +326,32 @@ def inherit_in_threads() -> None:
 
         setattr(threading.Thread, "start", start_in_context)  # noqa: B010 - a method replaced on purpose
         setattr(concurrent.futures.ThreadPoolExecutor, "submit", submit_in_context)  # noqa: B010
+
+
+def current_contributor() -> int:
+    """The worker index of the running closure, which takes part in synchronous steps under it;
+    -1 outside a closure (the coordinator's own pulls and pushes never wait or stage)."""
+    ctx = _current.get()
+    if ctx is None or ctx.identity is None or ctx.worker_index is None:
+        return -1
+    return ctx.worker_index
+
+
+def note_sync_step(step: int) -> None:
+    """Record the synchronous step the running closure's pull reported (see :func:`current_sync_step`)."""
+    ctx = _current.get()
+    if ctx is not None and ctx.identity is not None:
+        ctx.identity.sync_step = step
+
+
+def current_sync_step() -> int:
+    """Inside a closure of synchronous or bounded-stale training: the step its gradients join (learnt
+    by its last pull; the step it computes on has at least ``step - staleness`` steps applied).
+    -1 before a pull, under asynchronous training, or outside a closure."""
+    ctx = _current.get()
+    if ctx is None or ctx.identity is None:
+        return -1
+    return ctx.identity.sync_step
 
 
 def current_worker_index() -> int:

@@ -58,6 +58,7 @@ from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
 from jaxdist.cluster_coordinator.ps_recovery import PSWatcher
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues, RemoteValue
 from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer
+from jaxdist.cluster_coordinator.sync_barrier import StepBarrier, turn_off
 from jaxdist.proto import worker_pb2
 from jaxdist.transport import rpc
 
@@ -139,6 +140,10 @@ class Cluster:
         self._active = len(self._workers)  # workers not departed (changed under the membership lock)
         self._leaving: set[int] = set()  # being removed (under the membership lock)
         self.ps_watcher: PSWatcher | None = None
+        #: Membership of the synchronous / bounded-stale steps (None: asynchronous training).
+        self.steps: StepBarrier | None = None
+        if strategy.staleness is not None:
+            self.steps = StepBarrier(strategy.connections, strategy.staleness, queue)
 
     def _new_handle(self, index: int, address: str) -> WorkerHandle:
         self.failures.add_worker(index)
@@ -146,6 +151,13 @@ class Cluster:
                             settings=self._settings, host=self)
 
     def start(self) -> None:
+        if self.steps is not None:
+            # No member yet: each worker joins when it is first configured (before it takes a
+            # closure), so steps never wait for a worker that never came up.
+            self.steps.start(())
+        else:
+            # A synchronous coordinator of these PS tasks may have died without turning its steps off.
+            turn_off(self.strategy.connections)
         for w in list(self._workers):
             w.start()
 
@@ -159,6 +171,8 @@ class Cluster:
         handles of the workers still taking part (to tell them the job is over, then close them)."""
         if self.ps_watcher is not None:
             self.ps_watcher.stop()
+        if self.steps is not None:
+            self.steps.stop()
         workers = list(self._workers)
         for w in workers:
             w.stop()
@@ -214,6 +228,8 @@ class Cluster:
             self.failures.remove_worker(index)
             self._active -= 1
             self._leaving.discard(index)
+        if self.steps is not None:
+            self.steps.worker_failed(index)  # steps no longer wait for it
         self.queue.drop_tagged(index)
         w.close()
         logger.info("worker:%d (%s) left", index, w.address)
@@ -259,6 +275,8 @@ class Cluster:
         )
 
     def worker_configured(self, handle: WorkerHandle, incarnation: str) -> None:
+        if self.steps is not None:  # (re)joins the steps before it takes a closure
+            self.steps.worker_joined(handle.index)
         # Under the resource lock: a resource created meanwhile either sees the worker healthy (and
         # queues it there) or is among the resources rebuilt here; never neither.
         with self._resource_lock:
@@ -282,6 +300,10 @@ class Cluster:
                 self._workers[d.worker].forget_function(d.digest)
             elif type(d) is fh.DeclareDead:
                 self._workers[d.worker].cancel_inflight()
+                if self.steps is not None:
+                    # Synchronously, before the Retry decisions that follow: the re-run of its
+                    # closure must not meet its old staged contribution.
+                    self.steps.worker_failed(d.worker)
             elif type(d) is fh.RebuildResources:
                 self._workers[d.worker].forget_functions()
                 # Resources die with the process: rebuild them first, in creation order.
@@ -326,13 +348,22 @@ class ClusterCoordinator:
 
     Args:
         strategy: the strategy whose cluster and variables closures use.
-        closures_per_rpc: closures sent to a worker per call (batching).
+        closures_per_rpc: closures sent to a worker per call (batching); None: 16, or 1 under
+            ``staleness``.
         heartbeat_interval: seconds between heartbeats to each worker.
         failure_timeout: seconds without a heartbeat answer before a worker
             is declared failed and its closures re-queued.
         closure_timeout: deadline of one RunClosures call (None: no limit;
             liveness is covered by heartbeats).
         max_queued: closures queued before ``schedule`` blocks.
+
+    With a strategy made with ``staleness`` (synchronous or bounded-stale
+    training) each worker takes one closure at a time (``closures_per_rpc``
+    is 1, and more is a ``ConfigurationError``: a worker holding a batch
+    would hold several steps' closures while it waits at the barrier),
+    failed workers leave the steps and workers that come back rejoin them
+    (:mod:`jaxdist.cluster_coordinator.sync_barrier`), and ``join`` applies
+    a last partial step.
     """
 
     #: Seconds a primary may stay unreachable before its backup is promoted (read when the
@@ -343,7 +374,7 @@ class ClusterCoordinator:
         self,
         strategy: ParameterServerStrategy,
         *,
-        closures_per_rpc: int = DEFAULT_CLOSURES_PER_RPC,
+        closures_per_rpc: int | None = None,
         heartbeat_interval: float = 0.5,
         failure_timeout: float = 3.0,
         closure_timeout: float | None = None,
@@ -352,6 +383,13 @@ class ClusterCoordinator:
         addresses = strategy.cluster_resolver.cluster_spec().job_tasks("worker")
         if not addresses:
             raise E.ConfigurationError("the cluster has no 'worker' tasks; add at least one worker to the cluster spec")
+        if closures_per_rpc is None:
+            closures_per_rpc = DEFAULT_CLOSURES_PER_RPC if strategy.staleness is None else 1
+        elif strategy.staleness is not None and closures_per_rpc > 1:
+            raise E.ConfigurationError(
+                f"closures_per_rpc={closures_per_rpc} with staleness={strategy.staleness}: under synchronous steps a "
+                "worker takes one closure at a time (a batch would hold several steps' closures at the barrier); "
+                "leave closures_per_rpc unset")
         self._closed = False
         strategy.bind_coordinator(self)  # one live coordinator per strategy
         self.strategy = strategy
@@ -460,6 +498,10 @@ class ClusterCoordinator:
                 "this cluster replicates its PS tasks (a 'ps_backup' job): failover already keeps every "
                 "acknowledged update; checkpoint-mode recovery is for clusters without backups"
             )
+        if self.strategy.staleness is not None:
+            raise E.ConfigurationError(
+                "checkpoint-mode PS recovery does not combine with staleness= (synchronous steps): a restored PS "
+                "would lose the staged gradients of the step being formed; use asynchronous training for it")
         if self._cluster.ps_watcher is not None:
             return
         self._cluster.failures.set_ps_mode(PSMode.CHECKPOINT, ps_timeout=timeout)
@@ -533,6 +575,14 @@ class ClusterCoordinator:
         """
         if not self._queue.wait(timeout):
             raise TimeoutError(f"join() timed out after {timeout}s with {self._queue.queued} closures queued and {self._queue.inflight} running")
+        steps = self._cluster.steps
+        if steps is not None:
+            steps.flush()  # a last, partial step: workers without a closure for it skip it
+
+    @property
+    def step_barrier(self) -> StepBarrier | None:
+        """The synchronous steps' membership and the PS tasks' step clocks (None: asynchronous training)."""
+        return self._cluster.steps
 
     def done(self) -> bool:
         """True when no closure is queued or running; raises like :meth:`join`."""

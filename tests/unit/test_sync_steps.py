@@ -1,0 +1,302 @@
+"""Synchronous and bounded-stale steps, sans-IO: the PS's step clock, the gradient mean, and the
+coordinator's membership decisions (no sockets, no processes)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from jaxdist.base.errors import InvalidRequestError, StepMembershipError
+from jaxdist.cluster_coordinator.sync_barrier import plan_keep, plan_skips
+from jaxdist.proto import ps_pb2, ps_wire
+from jaxdist.proto.ps_wire import Op, SyncKind, SyncReport, Update
+from jaxdist.ps_server.sync_steps import Contribution, StepClock, SyncSteps, mean_gradients
+
+F32 = np.dtype(np.float32)
+
+
+def grad(name: str, value: float, shape: tuple[int, ...] = (2,)) -> Update:
+    return Update(name, Op.APPLY_GRADIENT, np.full(shape, value, np.float32))
+
+
+def clock(staleness: int, members: list[int]) -> StepClock:
+    c = StepClock()
+    c.configure(staleness, members)
+    return c
+
+
+# ------------------------------------------------------------------ StepClock
+def test_synchronous_step_applies_once_when_every_member_committed() -> None:
+    c = clock(0, [0, 1])
+    assert c.stage(0, "a/1", [grad("w", 1.0)]) == 0
+    c.commit(0)
+    assert c.pop_complete() == []  # worker 1 has not committed step 0
+    assert not c.ready(0)  # worker 0 may not start step 1 before step 0 is applied
+    assert c.ready(1)
+    assert c.stage(1, "b/1", [grad("w", 3.0)]) == 0
+    c.commit(1)
+    done = c.pop_complete()
+    assert [s for s, _, _ in done] == [0]
+    assert [x.contributor for x in done[0][1]] == [0, 1]
+    assert c.applied == 1 and c.ready(0) and c.ready(1)
+    assert c.pop_complete() == []  # applied once
+
+
+def test_bounded_staleness_lets_a_worker_run_exactly_s_steps_ahead() -> None:
+    c = clock(2, [0, 1])
+    for step in range(2):
+        assert c.ready(0)
+        c.note_opened(0)
+        c.stage(0, f"a/{step}", [grad("w", 1.0)])
+        c.commit(0)
+    assert c.ready(0)  # clock 2, slowest 0: exactly 2 ahead
+    c.note_opened(0)
+    c.stage(0, "a/2", [grad("w", 1.0)])
+    c.commit(0)
+    assert not c.ready(0)  # a 3rd step ahead: waits
+    assert c.max_lead == 2
+    c.stage(1, "b/0", [grad("w", 1.0)])
+    c.commit(1)
+    assert [s for s, _, _ in c.pop_complete()] == [0]
+    assert c.ready(0)
+
+
+def test_stage_refuses_non_members_mixed_ops_and_a_second_push_per_step() -> None:
+    c = clock(0, [0])
+    with pytest.raises(StepMembershipError):
+        c.stage(5, "x/1", [grad("w", 1.0)])
+    with pytest.raises(InvalidRequestError):
+        c.stage(0, "x/2", [grad("w", 1.0), Update("w", Op.ASSIGN_ADD, np.ones(2, np.float32))])
+    c.stage(0, "x/3", [grad("w", 1.0)])
+    with pytest.raises(InvalidRequestError):
+        c.stage(0, "x/4", [grad("w", 2.0)])
+    with pytest.raises(StepMembershipError):
+        c.commit(7)
+
+
+def test_drop_discards_an_uncommitted_contribution_and_forgets_its_id() -> None:
+    c = clock(0, [0, 1])
+    c.stage(0, "a/1", [grad("w", 1.0)])
+    c.commit(0)
+    c.stage(1, "b/1", [grad("w", 5.0)])  # worker 1 dies before committing
+    assert c.fence(1) == [0]
+    with pytest.raises(StepMembershipError):
+        c.commit(1)  # fenced: its late commit changes nothing
+    c.drop(1)
+    assert not c.is_staged("b/1")  # the closure's re-run may push it again
+    ((step, contributions, n),) = c.pop_complete()
+    assert step == 0 and [x.update_id for x in contributions] == ["a/1"] and n == 1
+
+
+def test_drop_keeps_a_contribution_at_the_kept_step() -> None:
+    c = clock(0, [0, 1])
+    c.stage(1, "b/1", [grad("w", 5.0)])
+    c.stage(0, "a/1", [grad("w", 1.0)])
+    c.commit(0)
+    c.fence(1)
+    c.drop(1, keep=0)  # another PS had worker 1's commit: it counts here too
+    ((step, contributions, n),) = c.pop_complete()
+    assert [x.update_id for x in contributions] == ["a/1", "b/1"] and n == 2
+
+
+def test_join_starts_at_the_applied_step_and_skip_moves_an_idle_member() -> None:
+    c = clock(0, [0])
+    for i in range(3):
+        c.stage(0, f"a/{i}", [grad("w", 1.0)])
+        c.commit(0)
+        c.pop_complete()
+    assert c.join(1, 0) == 3  # never into an applied step
+    assert c.join(1, 10) == 3  # a member keeps its clock
+    c.stage(0, "a/3", [grad("w", 1.0)])
+    c.commit(0)
+    assert c.pop_complete() == []  # waits for worker 1
+    c.skip(1, 4)
+    assert [s for s, _, _ in c.pop_complete()] == [3]
+    c.stage(1, "b/4", [grad("w", 1.0)])
+    with pytest.raises(InvalidRequestError):
+        c.skip(1, 6)  # it has an uncommitted contribution: not idle
+
+
+def test_configure_off_and_no_members() -> None:
+    c = clock(-1, [0])
+    assert not c.enabled and c.ready(0)
+    c = clock(0, [])
+    assert c.pop_complete() == [] and c.ready(3)
+    c.configure(0, [0])
+    c.stage(0, "a", [grad("w", 1.0)])
+    # A new coordinator: what the old one staged is never committed; it is discarded, its id forgotten.
+    assert c.configure(0, [0, 1]) == 1
+    assert not c.is_staged("a") and c.clocks == {0: 0, 1: 0}
+
+
+# -------------------------------------------------------------- the mean
+def test_mean_of_dense_gradients_in_the_variable_dtype() -> None:
+    cs = [Contribution(0, "a", [grad("w", 1.0), grad("b", 2.0, ())]), Contribution(1, "b", [grad("w", 4.0)])]
+    out = {u.name: u for u in mean_gradients(cs, lambda n: F32)}
+    np.testing.assert_array_equal(out["w"].value, [2.5, 2.5])
+    assert out["w"].op is Op.APPLY_GRADIENT and out["w"].value.dtype == F32
+    np.testing.assert_array_equal(out["b"].value, 2.0)  # only one contribution carried it
+
+
+def test_the_mean_divides_by_the_step_contributors_not_by_who_touched_the_variable() -> None:
+    # Worker 1 pushed only to another PS (other rows of an embedding): here its gradient is zero.
+    c = clock(0, [0, 1])
+    c.stage(0, "a/1", [grad("w", 4.0)])
+    c.commit(0)
+    c.commit(1)
+    ((step, contributions, n),) = c.pop_complete()
+    assert n == 2
+    (u,) = mean_gradients(contributions, lambda name: F32, n)
+    np.testing.assert_array_equal(u.value, [2.0, 2.0])  # one process, combined batch: (4 + 0) / 2
+    # A skipped (idle) worker is no contributor.
+    c.stage(0, "a/2", [grad("w", 4.0)])
+    c.commit(0)
+    c.skip(1, 2)
+    ((_, contributions, n),) = c.pop_complete()
+    assert n == 1
+
+
+def test_mean_of_bf16_gradients_is_taken_in_float32() -> None:
+    import ml_dtypes
+
+    g = Update("w", Op.APPLY_GRADIENT, np.full(2, 1.5, ml_dtypes.bfloat16))
+    (u,) = mean_gradients([Contribution(0, "a", [g]), Contribution(1, "b", [grad("w", 0.5)])], lambda n: F32)
+    assert u.value.dtype == F32
+    np.testing.assert_array_equal(u.value, [1.0, 1.0])
+
+
+def test_mean_of_sparse_and_dense_rows() -> None:
+    sparse = Update("e", Op.SPARSE_APPLY_GRADIENT, np.ones((2, 3), np.float32), np.array([0, 2]))
+    dense = Update("e", Op.APPLY_GRADIENT, np.full((4, 3), 2.0, np.float32))
+    (u,) = mean_gradients([Contribution(0, "a", [sparse]), Contribution(1, "b", [dense])], lambda n: F32)
+    assert u.op is Op.SPARSE_APPLY_GRADIENT
+    full = np.zeros((4, 3), np.float32)
+    np.add.at(full, u.indices, u.value)
+    np.testing.assert_array_equal(full[:, 0], [1.5, 1.0, 1.5, 1.0])
+
+
+# ------------------------------------------------------------ SyncSteps
+class FakeStore:
+    def __init__(self) -> None:
+        self.applied: list[tuple[int, dict[str, np.ndarray], list[str]]] = []
+        self.ids: set[str] = set()
+
+    def apply_step(self, updates: list[Update], ids: list[str], step: int) -> None:
+        self.applied.append((step, {u.name: u.value for u in updates}, ids))
+        self.ids.update(ids)
+
+
+def sync(staleness: int, members: list[int]) -> tuple[SyncSteps, FakeStore]:
+    store = FakeStore()
+    s = SyncSteps(store.apply_step, lambda n: F32, lambda i: i in store.ids)
+    s.control(SyncKind.CONFIGURE, staleness=staleness, members=members)
+    return s, store
+
+
+def test_a_retried_push_never_contributes_twice() -> None:
+    s, store = sync(0, [0, 1])
+    assert s.push(0, "c1/1", [grad("w", 2.0)], commit=False) == (False, 0)
+    assert s.push(0, "c1/1", [grad("w", 9.0)], commit=False) == (True, 0)  # staged: duplicate
+    s.control(SyncKind.COMMIT, 0)
+    s.push(1, "c2/1", [grad("w", 4.0)], commit=True)
+    assert [(st, list(v)) for st, v, _ in store.applied] == [(0, ["w"])]
+    np.testing.assert_array_equal(store.applied[0][1]["w"], [3.0, 3.0])
+    assert store.applied[0][2] == ["c1/1", "c2/1"]
+    # A re-run of closure c2 on worker 0, after the step was applied: a duplicate, nothing staged.
+    assert s.push(0, "c2/1", [grad("w", 100.0)], commit=True) == (True, 1)
+    assert len(store.applied) == 1
+
+
+def test_a_pull_waits_at_the_barrier_until_the_slowest_commits() -> None:
+    s, store = sync(0, [0, 1])
+    s.push(0, "a/1", [grad("w", 1.0)], commit=True)
+    assert s.wait_ready(0, timeout=0.0) == (False, 1)
+    opened: list[tuple[bool, int]] = []
+    t = threading.Thread(target=lambda: opened.append(s.wait_ready(0, timeout=30.0)))
+    t.start()
+    try:
+        # The waiter shows in the report (the coordinator's idle-worker check reads it).
+        from jaxdist.testing import poll_for
+
+        poll_for(lambda: s.control(SyncKind.STATUS).waiting == [0], timeout=10, what="worker 0 waiting")
+        s.push(1, "b/1", [grad("w", 1.0)], commit=True)
+    finally:
+        t.join(timeout=30)
+    assert opened == [(True, 1)]
+    assert s.wait_ready(7, timeout=0.0) == (True, -1)  # not a member: no barrier
+    assert s.steps_applied == 1
+
+
+def test_drop_of_a_failed_member_unblocks_the_step() -> None:
+    s, store = sync(0, [0, 1])
+    s.push(0, "a/1", [grad("w", 1.0)], commit=True)
+    s.push(1, "b/1", [grad("w", 7.0)], commit=False)  # dies before committing
+    r = s.control(SyncKind.FENCE, 1)
+    assert r.staged_steps == [0] and r.uncommitted == 1
+    with pytest.raises(StepMembershipError):
+        s.push(1, "b/2", [grad("w", 1.0)], commit=True)
+    r = s.control(SyncKind.DROP, 1, step=-1)
+    assert r.applied == 1 and r.clocks == {0: 1}
+    np.testing.assert_array_equal(store.applied[0][1]["w"], [1.0, 1.0])
+    # The discarded id is free again: the closure's re-run on worker 0 contributes to worker 0's step.
+    assert s.push(0, "b/1", [grad("w", 3.0)], commit=True) == (False, 1)
+
+
+# ------------------------------------------------------- coordinator plans
+def report(clocks: dict[int, int], applied: int = 0, waiting: list[int] | None = None, staleness: int = 0,
+           uncommitted: int = 0) -> SyncReport:
+    return SyncReport(True, staleness, applied, clocks, waiting or [], [], 0, uncommitted)
+
+
+def test_plan_keep_counts_a_contribution_only_when_some_ps_had_its_commit() -> None:
+    assert plan_keep([report({0: 3, 1: 2}), report({0: 3, 1: 2})], 1) == -1  # never committed anywhere
+    assert plan_keep([report({0: 3, 1: 3}), report({0: 3, 1: 2})], 1) == 2  # committed on ps:0
+    assert plan_keep([report({0: 3})], 1) == -1  # not a member
+
+
+def test_plan_skips_moves_only_idle_members_and_only_when_the_ps_tasks_agree() -> None:
+    # Worker 0 waits for step 2; worker 1 is idle at clock 1; worker 2 waits too.
+    r = report({0: 2, 1: 1, 2: 2}, applied=1, waiting=[0, 2])
+    assert plan_skips([r, r]) == {1: 2}
+    assert plan_skips([r, report({0: 2, 1: 2, 2: 2}, applied=2)]) is None  # a commit in flight
+    assert plan_skips([report({0: 2, 1: 1}, 1, [0], uncommitted=1)]) is None  # a push in flight
+    assert plan_skips([report({0: 2, 1: 1}, 1, [])]) == {}  # nobody waits
+    # Bounded staleness 1: worker 0 at clock 3 needs step 2 applied; idle worker 1 moves to 2.
+    assert plan_skips([report({0: 3, 1: 1}, 1, [0], staleness=1)]) == {1: 2}
+    # join(): everyone catches up with the furthest.
+    assert plan_skips([report({0: 3, 1: 1, 2: 2}, 1)], final=True) == {1: 3, 2: 3}
+
+
+# ------------------------------------------------------------------ wire
+def test_sync_messages_round_trip_and_refuse_garbage() -> None:
+    req = ps_wire.encode_sync_request(SyncKind.DROP, 3, step=7)
+    assert ps_wire.decode_sync_request(ps_pb2.SyncStepsRequest.FromString(req.SerializeToString())) == (SyncKind.DROP, 3, 0, [], 7)
+    with pytest.raises(InvalidRequestError):
+        ps_wire.decode_sync_request(ps_pb2.SyncStepsRequest(kind=99))
+    with pytest.raises(InvalidRequestError):
+        ps_wire.decode_sync_request(ps_pb2.SyncStepsRequest(kind=ps_pb2.SYNC_COMMIT, contributor=-1))
+    with pytest.raises(InvalidRequestError):
+        ps_wire.decode_sync_request(ps_pb2.SyncStepsRequest(kind=ps_pb2.SYNC_CONFIGURE, members=[0, -2]))
+    r = report({2: 5, 0: 4}, applied=4, waiting=[2])
+    assert ps_wire.decode_sync_report(ps_wire.encode_sync_report(r)) == r
+    header, _ = ps_wire.encode_push([grad("w", 1.0)], "u/1", contributor=0, commit=True)
+    assert header.contributor == 1 and header.commit
+    assert ps_wire.encode_pull([], contributor=-1).contributor == 0
+
+
+def test_a_push_computed_at_another_step_is_refused() -> None:
+    c = clock(0, [0, 1])
+    c.stage(0, "a/1", [grad("w", 1.0)], pulled_at=0)
+    c.commit(0)
+    # Pushing twice per pull: the second gradient was computed at step 0, the worker is at step 1.
+    with pytest.raises(StepMembershipError):
+        c.stage(0, "a/2", [grad("w", 1.0)], pulled_at=0)
+    # A frozen worker dropped and rejoined at a later step: its late push (pulled at 0) is refused.
+    c.fence(1)
+    c.drop(1)
+    c.join(1, 5)
+    with pytest.raises(StepMembershipError):
+        c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=0)
+    assert c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=c.clocks[1]) == c.clocks[1]
