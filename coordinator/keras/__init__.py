@@ -34,6 +34,9 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
 - ``ParameterServerStrategy``: not supported yet; any Keras model use inside
   its scope raises ``NotImplementedError``.
 
+Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
+takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
+
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.
 """
@@ -46,6 +49,7 @@ require_jax_backend()
 
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
+from jaxdist.keras.data import Batches  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
     UnsupportedStrategyDistribution,
@@ -56,6 +60,7 @@ from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 install_data_placement()
 
 __all__ = [
+    "Batches",
     "StrategyDistribution",
     "UnsupportedStrategyDistribution",
     "distribution_for",

@@ -83,6 +83,7 @@ class StrategyDistribution(DataParallel):
         self._replicated = NamedSharding(jax_mesh, PartitionSpec())
         self._split = NamedSharding(jax_mesh, PartitionSpec(BATCH_AXIS))
         self._multi_process = len({d.process_index for d in devices}) > 1
+        self._counts = {"split": 0, "replicated": 0}
 
     @property
     def strategy(self) -> Any:
@@ -92,6 +93,11 @@ class StrategyDistribution(DataParallel):
     @property
     def num_replicas_in_sync(self) -> int:
         return len(self._devices)
+
+    @property
+    def placement_counts(self) -> dict[str, int]:
+        """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
+        return dict(self._counts)
 
     def get_data_layout(self, data_shape: Any) -> TensorLayout:
         """Split along dim 0 when it divides by the replica count; otherwise replicate (a short batch)."""
@@ -125,7 +131,11 @@ class StrategyDistribution(DataParallel):
             host = np.asarray(a)
             return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
-        return keras.tree.map_structure(place, batch)
+        placed = keras.tree.map_structure(place, batch)
+        leaves = [a for a in keras.tree.flatten(placed) if a is not None]
+        split = bool(leaves) and all(a.sharding == self._split for a in leaves if a.ndim)
+        self._counts["split" if split else "replicated"] += 1
+        return placed
 
     def batches(self, host_batches: Iterator[Any]) -> Iterator[Any]:
         """``place_batch`` over an iterator, one batch ahead (the transfer overlaps the previous step)."""
@@ -164,6 +174,11 @@ class UnsupportedStrategyDistribution(Distribution):
     @property
     def num_model_replicas(self) -> int:
         raise NotImplementedError(self._message)
+
+    @property
+    def placement_counts(self) -> dict[str, int]:
+        """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
+        return dict(self._counts)
 
     def get_data_layout(self, data_shape: Any) -> TensorLayout:
         raise NotImplementedError(self._message)
