@@ -33,8 +33,10 @@ code runs unchanged. See :func:`install_data_placement`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -84,6 +86,9 @@ class StrategyDistribution(DataParallel):
         self._split = NamedSharding(jax_mesh, PartitionSpec(BATCH_AXIS))
         self._multi_process = len({d.process_index for d in devices}) > 1
         self._counts = {"split": 0, "replicated": 0}
+        self._gather = jax.jit(lambda a: a, out_shardings=self._replicated)
+        with _registry_lock:
+            _by_mesh[jax_mesh] = self
 
     @property
     def strategy(self) -> Any:
@@ -93,6 +98,21 @@ class StrategyDistribution(DataParallel):
     @property
     def num_replicas_in_sync(self) -> int:
         return len(self._devices)
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether the replicas span more than one process."""
+        return self._multi_process
+
+    def fetchable(self, tree: Any) -> Any:
+        """``tree`` with every array this process cannot read whole gathered onto every replica (an all-gather)."""
+
+        def one(a: Any) -> Any:
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                return self._gather(a)
+            return a
+
+        return jax.tree.map(one, tree)
 
     @property
     def placement_counts(self) -> dict[str, int]:
@@ -176,6 +196,21 @@ class UnsupportedStrategyDistribution(Distribution):
         raise NotImplementedError(self._message)
 
     @property
+    def multi_process(self) -> bool:
+        """Whether the replicas span more than one process."""
+        return self._multi_process
+
+    def fetchable(self, tree: Any) -> Any:
+        """``tree`` with every array this process cannot read whole gathered onto every replica (an all-gather)."""
+
+        def one(a: Any) -> Any:
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                return self._gather(a)
+            return a
+
+        return jax.tree.map(one, tree)
+
+    @property
     def placement_counts(self) -> dict[str, int]:
         """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
         return dict(self._counts)
@@ -195,15 +230,57 @@ class UnsupportedStrategyDistribution(Distribution):
 
 _install_lock = threading.Lock()
 _installed = False
+_registry_lock = threading.Lock()
+#: The distribution of each mesh jaxdist made (strategies over the same devices place alike; the latest wins).
+_by_mesh: weakref.WeakValueDictionary[Any, StrategyDistribution] = weakref.WeakValueDictionary()
+
+#: Keras's entry points that run a model; each runs under the distribution its variables were made in.
+_MODEL_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def _first_sharding(model: Any) -> Any:
+    for v in model.variables:
+        # _value: None while Keras holds the state itself (mid-fit); .value would fall back to the initializer.
+        return getattr(getattr(v, "_value", None), "sharding", None)
+    return None
+
+
+def model_distribution(model: Any) -> StrategyDistribution | None:
+    """The StrategyDistribution whose replicas hold ``model``'s variables (None: not made in a jaxdist scope)."""
+    mesh = getattr(_first_sharding(model), "mesh", None)
+    if mesh is None:
+        return None
+    with _registry_lock:
+        return _by_mesh.get(mesh)
+
+
+def _check_model_devices(model: Any, dist: StrategyDistribution) -> None:
+    sharding = _first_sharding(model)
+    if sharding is None:
+        return
+    have = set(sharding.device_set)
+    if have != set(dist.strategy.devices):
+        raise ConfigurationError(
+            f"this Keras model's variables live on {sorted(str(d) for d in have)}, not on the devices of "
+            f"{type(dist.strategy).__name__}.scope() ({dist.num_replicas_in_sync} replicas): build and compile the "
+            "model inside the strategy's scope (as TF requires), or run it outside the scope"
+        )
 
 
 def install_data_placement() -> None:
-    """Route Keras's distributed input through :meth:`StrategyDistribution.batches` (idempotent).
+    """Hook jaxdist into Keras's JAX trainer (idempotent).
 
-    Only while a :class:`StrategyDistribution` is the current distribution;
-    any other distribution (or none) gets Keras's own iterator. Raises
-    ConfigurationError when the installed Keras lacks the method (a Keras
-    outside the range jaxdist's ``keras`` extra pins).
+    - Keras's distributed input goes through :meth:`StrategyDistribution.batches`,
+      only while a :class:`StrategyDistribution` is the current distribution
+      (any other distribution, or none, gets Keras's own iterator);
+    - ``fit``/``evaluate``/``predict``/``*_on_batch`` of a model whose variables
+      were made in a jaxdist strategy's scope run under that strategy's
+      distribution when no distribution is current (TF's rule: a model keeps
+      the strategy it was created in, also outside the scope and in other
+      threads, where Keras's thread-local distribution is unset).
+
+    Raises ConfigurationError when the installed Keras lacks what is hooked
+    (a Keras outside the range jaxdist's ``keras`` extra pins).
     """
     global _installed
     with _install_lock:
@@ -225,4 +302,46 @@ def install_data_placement() -> None:
             return original(self, distribution)
 
         JAXEpochIterator._get_distributed_iterator = _get_distributed_iterator
+        from keras.src.backend.jax.trainer import JAXTrainer
+
+        for name in _MODEL_ENTRY_POINTS:
+            setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name)))
+        JAXTrainer.make_predict_function = _fetchable_predictions(JAXTrainer.make_predict_function)
         _installed = True
+
+
+def _fetchable_predictions(make: Any) -> Any:
+    """In a multi-process job, ``predict``'s outputs are gathered to every process (Keras turns them into numpy)."""
+
+    @functools.wraps(make)
+    def make_predict_function(self: Any, force: bool = False) -> Any:
+        make(self, force)
+        dist = keras.distribution.distribution()
+        inner = self.predict_function
+        if isinstance(dist, StrategyDistribution) and dist.multi_process and not getattr(inner, "_jaxdist_gathers", False):
+
+            def predict_function(state: Any, iterator: Any) -> Any:
+                outputs, state = inner(state, iterator)
+                return dist.fetchable(outputs), state
+
+            predict_function._jaxdist_gathers = True  # type: ignore[attr-defined]
+            self.predict_function = predict_function
+        return self.predict_function
+
+    return make_predict_function
+
+
+def _under_model_distribution(method: Any) -> Any:
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        current = keras.distribution.distribution()
+        if current is None:
+            dist = model_distribution(self)
+            if dist is not None:
+                with dist.scope():
+                    return method(self, *args, **kwargs)
+        elif isinstance(current, StrategyDistribution):
+            _check_model_devices(self, current)
+        return method(self, *args, **kwargs)
+
+    return run
