@@ -337,6 +337,49 @@ def train_on_batch_with_a_short_batch() -> None:
 
 
 @check
+def a_model_keeps_its_strategy_outside_the_scope_and_in_other_threads() -> None:
+    """TF's rule: fit/evaluate/predict use the strategy the model was built in, wherever they are called."""
+    import threading
+
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.base.errors import ConfigurationError
+
+    x, y = _data()
+    strategy = jaxdist.MirroredStrategy()
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = _model("sequential")
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    dist = jaxdist.keras.distribution_for(strategy)
+    before = dist.placement_counts["split"]
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # outside the scope
+    after_fit = dist.placement_counts["split"]
+    assert after_fit > before, (before, after_fit)
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(ev=model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)))
+    t.start()
+    t.join(120)
+    assert "ev" in out and dist.placement_counts["split"] > after_fit, out
+    for v in model.variables:
+        assert set(v.value.sharding.device_set) == set(strategy.devices), v.path
+    # A model built outside every scope cannot be trained inside one: a clear error, not XLA's device mismatch.
+    plain = _model("sequential")
+    plain.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with strategy.scope():
+        try:
+            plain.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        except ConfigurationError as e:
+            assert "inside the strategy's scope" in str(e), e
+        else:
+            raise AssertionError("a model built outside the scope was fitted inside it")
+    np.testing.assert_equal(len(plain.get_weights()), 4)
+
+
+@check
 def ps_scope_refuses_keras_models() -> None:
     import keras
     import numpy as np
