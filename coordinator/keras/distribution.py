@@ -305,7 +305,7 @@ def install_data_placement() -> None:
         from keras.src.backend.jax.trainer import JAXTrainer
 
         for name in _MODEL_ENTRY_POINTS:
-            setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name)))
+            setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name), name.endswith("_on_batch")))
         JAXTrainer.make_predict_function = _fetchable_predictions(JAXTrainer.make_predict_function)
         _installed = True
 
@@ -331,17 +331,28 @@ def _fetchable_predictions(make: Any) -> Any:
     return make_predict_function
 
 
-def _under_model_distribution(method: Any) -> Any:
+def _under_model_distribution(method: Any, on_batch: bool) -> Any:
+    def refuse_multi_process(dist: StrategyDistribution) -> None:
+        # Keras places an *_on_batch input as this process's part of the batch (make_array_from_process_local_data),
+        # unlike fit, where every process feeds the global batch (TF's DATA policy): refuse rather than mix the two.
+        if on_batch and dist.multi_process:
+            raise NotImplementedError(
+                f"{method.__name__} under a multi-process {type(dist.strategy).__name__} is not supported: use "
+                "fit/evaluate/predict (every process passes the same global data)"
+            )
+
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         current = keras.distribution.distribution()
         if current is None:
             dist = model_distribution(self)
             if dist is not None:
+                refuse_multi_process(dist)
                 with dist.scope():
                     return method(self, *args, **kwargs)
         elif isinstance(current, StrategyDistribution):
             _check_model_devices(self, current)
+            refuse_multi_process(current)
         return method(self, *args, **kwargs)
 
     return run

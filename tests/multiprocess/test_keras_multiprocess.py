@@ -67,8 +67,14 @@ def _child(mode: str, out: str) -> None:
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, validation_data=(x[:50], y[:50]), verbose=0)
         ev = model.evaluate(x, y, batch_size=24, return_dict=True, verbose=0)
         pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    if strategy is not None:
+        try:
+            model.train_on_batch(x[:32], y[:32])
+        except NotImplementedError as e:
+            result["on_batch_refused"] = "fit/evaluate/predict" in str(e)
     np.savez(
         out,
+        on_batch_refused=result.get("on_batch_refused", False),
         processes=jax.process_count(),
         replicas=strategy.num_replicas_in_sync if strategy is not None else 1,
         weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
@@ -138,6 +144,7 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
     w = [np.load(tmp_path / f"w{i}.npz") for i in range(2)]
     for i, got in enumerate(w):
         assert int(got["processes"]) == 2 and int(got["replicas"]) == 8, i
+        assert bool(got["on_batch_refused"]), i  # *_on_batch would read each process's input as its part: refused
         np.testing.assert_allclose(got["weights"], ref["weights"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} weights")
         np.testing.assert_allclose(got["predict"], ref["predict"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} predict")
         h_ref, h_got = json.loads(str(ref["history"])), json.loads(str(got["history"]))
