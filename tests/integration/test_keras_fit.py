@@ -490,6 +490,26 @@ def test_keras_fit_example(strategy: str) -> None:
     assert abs(result["test_accuracy"] - result["predict_accuracy"]) < 1e-6, result
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_keras_prints_its_figures() -> None:
+    """bench/bench_keras.py (one tiny round): JSON lines with both contenders' medians, the ratio and placement times."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_keras.py"), "--rounds", "1", "--epochs", "2", "--batch", "64",
+         "--examples", "256"],
+        env=_subprocess_env(), capture_output=True, text=True, timeout=280, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    by_figure: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        by_figure.setdefault(row["figure"], []).append(row)
+    assert {r["contender"] for r in by_figure["keras_fit_mlp"]} == {"jaxdist_mirrored", "keras_data_parallel"}
+    assert all(r["devices"] == NUM_DEVICES and r["median_steps_per_s"] > 0 for r in by_figure["keras_fit_mlp"])
+    assert by_figure["keras_fit_ratio"][0]["jaxdist_over_data_parallel"] > 0
+    assert {r["contender"] for r in by_figure["keras_batch_placement"]} == {"jaxdist_mirrored", "keras_data_parallel"}
+
+
 @pytest.mark.timeout(120)
 def test_import_refuses_another_keras_backend() -> None:
     env = _subprocess_env(1)
