@@ -10,7 +10,8 @@ Usage, as in TF's Keras distribution guide::
     with strategy.scope():
         model = keras.Sequential([...])
         model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-    model.fit(x, y, batch_size=64, epochs=3)   # inside or outside the scope: the variables are already mirrored
+    model.fit(x, y, batch_size=64, epochs=3)   # 64 = the global batch
+    # fit/evaluate/predict use the strategy the model was built in, inside or outside the scope (as TF).
 
 Once ``keras`` is imported (on the JAX backend), every ``strategy.scope()``
 makes the strategy's Keras distribution current
@@ -29,7 +30,9 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
 - ``MultiWorkerMirroredStrategy``: the same, over every process's devices;
   every process feeds the same input and keeps its replicas' rows (TF's
   ``DATA`` auto-shard policy); the processes agree on Keras's random seed so
-  initial weights match.
+  initial weights match; ``predict`` gathers its outputs to every process.
+  Not supported there (NotImplementedError): ``*_on_batch``, and per-process
+  input (TF's ``FILE`` policy).
 - default strategy: Keras unchanged (one device).
 - ``ParameterServerStrategy``: not supported yet; any Keras model use inside
   its scope raises ``NotImplementedError``.
