@@ -27,6 +27,8 @@ are threaded through the compiled program as inputs and outputs (see
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,8 @@ import jax.numpy as jnp
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync.reduce_op import ReduceOp
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from jaxdist.sync.variables import VarFrame
@@ -321,9 +325,43 @@ def enter_scope(strategy: Any) -> Iterator[Any]:
             )
     _state.scopes.append(strategy)
     try:
-        yield strategy
+        with _keras_scope(strategy):
+            yield strategy
     finally:
         _state.scopes.pop()
+
+
+_warned_keras_backend = False
+
+
+def _keras_scope(strategy: Any) -> contextlib.AbstractContextManager[Any]:
+    """Keras's view of ``strategy`` (:mod:`jaxdist.keras`) when Keras is in use in this process.
+
+    Keras is never imported here: a program that has not imported it gets
+    nothing. Keras on another backend than JAX cannot be distributed; that is
+    logged once and the scope is entered without it (``import jaxdist.keras``
+    raises instead).
+    """
+    global _warned_keras_backend
+    keras = sys.modules.get("keras")
+    if keras is None:
+        return contextlib.nullcontext()
+    backend_fn = getattr(getattr(keras, "config", None), "backend", None)
+    backend = backend_fn() if callable(backend_fn) else None
+    if backend != "jax":
+        if not _warned_keras_backend:
+            _warned_keras_backend = True
+            logger.warning(
+                "keras is imported with the %r backend: jaxdist strategies distribute Keras only on JAX "
+                "(set KERAS_BACKEND=jax, or import jaxdist.keras before keras); Keras models in %s.scope() are "
+                "NOT distributed",
+                backend,
+                type(strategy).__name__,
+            )
+        return contextlib.nullcontext()
+    from jaxdist.keras.scope import keras_scope
+
+    return keras_scope(strategy)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,73 @@
+"""Keras 3 ``compile`` / ``fit`` / ``evaluate`` / ``predict`` under jaxdist strategies (``pip install 'jaxdist[keras]'``).
+
+Usage, as in TF's Keras distribution guide::
+
+    import jaxdist.keras   # selects Keras's JAX backend (KERAS_BACKEND=jax) before Keras loads
+    import keras
+    import jaxdist
+
+    strategy = jaxdist.MirroredStrategy()
+    with strategy.scope():
+        model = keras.Sequential([...])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, batch_size=64, epochs=3)   # 64 = the global batch
+    # fit/evaluate/predict use the strategy the model was built in, inside or outside the scope (as TF).
+
+Once ``keras`` is imported (on the JAX backend), every ``strategy.scope()``
+makes the strategy's Keras distribution current
+(:func:`jaxdist.keras.scope.distribution_for`): variables made inside are
+mirrored on the strategy's replicas, and Keras's own training loop splits
+each global batch over them (:mod:`jaxdist.keras.distribution`).
+
+Guarantees per strategy (global batch = ``batch_size``, as in TF):
+
+- ``MirroredStrategy``, ``TPUStrategy``, ``OneDeviceStrategy``: the batch is
+  split over the replicas, the gradient is the global batch's mean loss's
+  (the all-reduce inserted by XLA), metrics are exact (a short last batch is
+  computed whole on every replica: no padding, no dropped rows).
+- ``CentralStorageStrategy``: the same results; under Keras the variables are
+  mirrored on the compute devices rather than kept on the parameter device.
+- ``MultiWorkerMirroredStrategy``: the same, over every process's devices;
+  every process feeds the same input and keeps its replicas' rows (TF's
+  ``DATA`` auto-shard policy); the processes agree on Keras's random seed so
+  initial weights match; ``predict`` gathers its outputs to every process.
+  ``*_on_batch`` raise NotImplementedError there; per-process input (TF's
+  ``FILE`` policy, each process reading its own files) has no API yet.
+- default strategy: Keras unchanged (one device).
+- ``ParameterServerStrategy``: not supported yet; any Keras model use inside
+  its scope raises ``NotImplementedError``.
+
+Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
+takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
+
+Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
+when Keras was already imported with another backend.
+"""
+
+from __future__ import annotations
+
+from jaxdist.keras.backend import require_jax_backend
+
+require_jax_backend()
+
+import keras  # noqa: E402,F401  (after the backend is chosen)
+
+from jaxdist.keras.data import Batches  # noqa: E402
+from jaxdist.keras.distribution import (  # noqa: E402
+    StrategyDistribution,
+    UnsupportedStrategyDistribution,
+    install_data_placement,
+)
+from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+
+install_data_placement()
+
+__all__ = [
+    "Batches",
+    "StrategyDistribution",
+    "UnsupportedStrategyDistribution",
+    "distribution_for",
+    "install_data_placement",
+    "keras_scope",
+    "require_jax_backend",
+]

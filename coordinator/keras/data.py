@@ -1,0 +1,93 @@
+"""Any re-iterable of batches as Keras input (TF users' ``tf.data``-free pipelines).
+
+Keras 3 takes arrays, ``keras.utils.PyDataset``, Python generators (one pass:
+a second epoch gets nothing), tf.data, torch and grain, but not a plain
+iterable (a list of batches, a class with ``__iter__``): it raises
+``Unrecognized data type``. :class:`Batches` wraps one: ``iter()`` is called
+again at every epoch, so each epoch sees every batch, and ``len()``, when the
+iterable has it, gives Keras the epoch length (a progress bar with a target).
+
+Each batch is a tuple ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` of
+arrays (or nested structures of arrays), as with Keras generators; under a
+jaxdist strategy it is a *global* batch, split over the replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from keras.src.trainers.data_adapters import data_adapter_utils
+from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Batches"]
+
+
+class Batches(DataAdapter):
+    """Keras input from a re-iterable of batches: ``model.fit(jaxdist.keras.Batches(batches), epochs=3)``.
+
+    Args:
+        iterable: anything whose ``iter()`` yields the epoch's batches afresh
+            each time (a list, a class with ``__iter__``). A one-shot iterator
+            or generator is refused: pass a generator to ``fit`` directly
+            (Keras reads it once) or wrap its factory in an iterable.
+
+    Raises:
+        TypeError: ``iterable`` is a one-shot iterator, or its batches are not tuples.
+        ValueError: ``iterable`` yields no batch.
+    """
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        if isinstance(iterable, types.GeneratorType) or iter(iterable) is iterable:
+            raise TypeError(
+                f"Batches needs a re-iterable (iter() gives a fresh pass each epoch); got a one-shot "
+                f"{type(iterable).__name__}. Pass a generator to fit() directly, or an object whose __iter__ makes one"
+            )
+        self._iterable = iterable
+        first = next(iter(iterable), None)
+        if first is None:
+            raise ValueError("Batches: the iterable yields no batch")
+        if not isinstance(first, tuple):
+            raise TypeError(
+                "Batches: each batch must be a tuple (x,), (x, y) or (x, y, sample_weight), as for Keras "
+                f"generators; got {type(first).__name__}"
+            )
+        try:
+            self._len: int | None = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            self._len = None
+
+    def _batches(self) -> Iterator[Any]:
+        return iter(self._iterable)
+
+    def get_numpy_iterator(self) -> Iterator[Any]:
+        return data_adapter_utils.get_numpy_iterator(self._batches())
+
+    def get_jax_iterator(self) -> Iterator[Any]:
+        return data_adapter_utils.get_jax_iterator(self._batches())
+
+    def get_tf_dataset(self) -> Any:
+        raise NotImplementedError("jaxdist.keras.Batches serves Keras's JAX backend only (no tf.data)")
+
+    def get_torch_dataloader(self) -> Any:
+        raise NotImplementedError("jaxdist.keras.Batches serves Keras's JAX backend only (no torch DataLoader)")
+
+    @property
+    def num_batches(self) -> int | None:
+        return self._len
+
+    @property
+    def batch_size(self) -> int | None:
+        return None  # batches may differ in size (a short last one)
+
+    @property
+    def has_partial_batch(self) -> bool | None:
+        return None
+
+    @property
+    def partial_batch_size(self) -> int | None:
+        return None

@@ -1,0 +1,358 @@
+"""A jaxdist strategy seen by Keras 3: a ``keras.distribution`` over the strategy's devices.
+
+Keras's JAX trainer never asks for a strategy; it asks for the thread-local
+``keras.distribution.distribution()``. :class:`StrategyDistribution` is a
+``keras.distribution.DataParallel`` over the strategy's devices (one mesh axis,
+``"batch"``): variables made while it is current are replicated on every
+replica's device, each batch is split along its first dimension, and Keras's
+own jitted ``train_step`` computes the mean loss over the *global* batch, so
+XLA inserts the gradient all-reduce (the sum of the replicas' gradients of
+``loss / global_batch``, which is what TF's optimizers apply under a
+strategy). Metric variables are replicated too and updated from the whole
+global batch, so metrics are exact across replicas and processes.
+
+What it adds to ``DataParallel``:
+
+- **Short batches.** ``DataParallel`` fails on a batch whose rows do not divide
+  by the replica count (the last batch of most data sets). Here such a batch
+  is replicated instead: every replica computes the whole (small) batch, the
+  result is the single-device one, exactly, and nothing is padded.
+- **Multi-process input (TF's ``DATA`` auto-shard policy).** Under
+  ``MultiWorkerMirroredStrategy`` every process iterates the same input (the
+  same arrays, or a generator / ``PyDataset`` that yields the same batches in
+  the same order on every process, as TF's ``DATA`` policy requires) and each
+  process places only its own replicas' rows of each global batch on its
+  devices. ``batch_size`` is the global batch, as in TF.
+
+The per-batch placement replaces ``JAXEpochIterator._get_distributed_iterator``
+while a :class:`StrategyDistribution` is current (Keras has no public hook
+for it: the one it has, ``get_data_layout``, is asked once per ``fit`` and
+cached for every batch); with any other distribution, or none, Keras's own
+code runs unchanged. See :func:`install_data_placement`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+import keras
+from keras.distribution import DataParallel, DeviceMesh, TensorLayout
+from keras.src.distribution.distribution_lib import Distribution  # the base class (not exported by keras.distribution)
+
+from jaxdist.base.errors import ConfigurationError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StrategyDistribution", "UnsupportedStrategyDistribution", "install_data_placement"]
+
+#: The mesh axis the batch is split along (Keras's DataParallel default name).
+BATCH_AXIS = "batch"
+
+
+class StrategyDistribution(DataParallel):
+    """Keras data parallelism over a synchronous jaxdist strategy's replicas.
+
+    ``strategy.scope()`` enters it (see :mod:`jaxdist.keras`); build, compile
+    and ``fit`` the model inside the scope. Replica ``r`` is
+    ``strategy.devices[r]``.
+
+    Args:
+        strategy: a ``MirroredStrategy``, ``OneDeviceStrategy``,
+            ``CentralStorageStrategy``, ``TPUStrategy`` or
+            ``MultiWorkerMirroredStrategy`` (anything with ``devices``).
+    """
+
+    def __init__(self, strategy: Any) -> None:
+        devices = list(getattr(strategy, "devices", ()))
+        if not devices:
+            raise ConfigurationError(f"{type(strategy).__name__} has no devices to lay a Keras mesh on")
+        mesh = DeviceMesh(shape=(len(devices),), axis_names=[BATCH_AXIS], devices=np.array(devices, dtype=object))
+        # auto_shard_dataset=False: Keras's own multi-process sharding accepts only tf.data; the rows each process
+        # keeps are chosen per batch by place_batch (TF's DATA policy) instead.
+        super().__init__(device_mesh=mesh, auto_shard_dataset=False)
+        self._strategy = strategy
+        self._devices = tuple(devices)
+        jax_mesh = jax.sharding.Mesh(np.array(devices, dtype=object), (BATCH_AXIS,))
+        self._replicated = NamedSharding(jax_mesh, PartitionSpec())
+        self._split = NamedSharding(jax_mesh, PartitionSpec(BATCH_AXIS))
+        self._multi_process = len({d.process_index for d in devices}) > 1
+        self._counts = {"split": 0, "replicated": 0}
+        self._gather = jax.jit(lambda a: a, out_shardings=self._replicated)
+        with _registry_lock:
+            _by_mesh[jax_mesh] = self
+
+    @property
+    def strategy(self) -> Any:
+        """The jaxdist strategy this distribution stands for."""
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return len(self._devices)
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether the replicas span more than one process."""
+        return self._multi_process
+
+    def fetchable(self, tree: Any) -> Any:
+        """``tree`` with every array this process cannot read whole gathered onto every replica (an all-gather)."""
+
+        def one(a: Any) -> Any:
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                return self._gather(a)
+            return a
+
+        return jax.tree.map(one, tree)
+
+    @property
+    def placement_counts(self) -> dict[str, int]:
+        """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
+        return dict(self._counts)
+
+    def get_data_layout(self, data_shape: Any) -> TensorLayout:
+        """Split along dim 0 when it divides by the replica count; otherwise replicate (a short batch)."""
+        shape = tuple(data_shape)
+        if shape and shape[0] is not None and shape[0] % len(self._devices) == 0:
+            return super().get_data_layout(shape)
+        return TensorLayout([None] * len(shape), self.device_mesh)
+
+    def _sharding_for(self, rows: int | None) -> NamedSharding:
+        if rows is not None and rows % len(self._devices) == 0:
+            return self._split
+        return self._replicated
+
+    def place_batch(self, batch: Any) -> Any:
+        """One global batch (a structure of host arrays) as global ``jax.Array``s on the replicas.
+
+        Rows are split evenly over the replicas when they divide by the
+        replica count, else the batch is replicated. In a multi-process job
+        each process builds only its own devices' pieces from its copy of the
+        global batch.
+        """
+
+        def place(a: Any) -> Any:
+            if a is None:
+                return None
+            if not hasattr(a, "shape"):
+                a = np.asarray(a)
+            sharding = self._sharding_for(a.shape[0] if a.ndim else None)
+            if not self._multi_process:
+                return jax.device_put(a, sharding)
+            host = np.asarray(a)
+            return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+        placed = keras.tree.map_structure(place, batch)
+        leaves = [a for a in keras.tree.flatten(placed) if a is not None]
+        split = bool(leaves) and all(a.sharding == self._split for a in leaves if a.ndim)
+        self._counts["split" if split else "replicated"] += 1
+        return placed
+
+    def batches(self, host_batches: Iterator[Any]) -> Iterator[Any]:
+        """``place_batch`` over an iterator, one batch ahead (the transfer overlaps the previous step)."""
+        ahead = None
+        for batch in host_batches:
+            placed = self.place_batch(batch)
+            if ahead is not None:
+                yield ahead
+            ahead = placed
+        if ahead is not None:
+            yield ahead
+
+    def __repr__(self) -> str:
+        return f"StrategyDistribution({type(self._strategy).__name__}, {len(self._devices)} replicas)"
+
+
+class UnsupportedStrategyDistribution(Distribution):
+    """Current inside the scope of a strategy whose Keras integration does not exist yet.
+
+    Every question Keras asks it (where a variable goes, how a batch or a layer
+    output is laid out) raises ``NotImplementedError`` naming what is missing,
+    so a Keras model can neither be built nor trained in that scope, instead of
+    silently training somewhere else. Code in the scope that does not use
+    Keras is unaffected.
+    """
+
+    def __init__(self, strategy: Any, missing: str) -> None:
+        devices = np.array(jax.local_devices()[:1], dtype=object)
+        super().__init__(DeviceMesh(shape=(1,), axis_names=[BATCH_AXIS], devices=devices), BATCH_AXIS, False)
+        self._message = (
+            f"Keras models under {type(strategy).__name__}.scope() are not supported yet: {missing}. "
+            "Build and train the Keras model outside this scope, or use a synchronous strategy "
+            "(MirroredStrategy, MultiWorkerMirroredStrategy, ...)"
+        )
+
+    @property
+    def num_model_replicas(self) -> int:
+        raise NotImplementedError(self._message)
+
+    @property
+    def multi_process(self) -> bool:
+        """Whether the replicas span more than one process."""
+        return self._multi_process
+
+    def fetchable(self, tree: Any) -> Any:
+        """``tree`` with every array this process cannot read whole gathered onto every replica (an all-gather)."""
+
+        def one(a: Any) -> Any:
+            if isinstance(a, jax.Array) and not a.is_fully_addressable:
+                return self._gather(a)
+            return a
+
+        return jax.tree.map(one, tree)
+
+    @property
+    def placement_counts(self) -> dict[str, int]:
+        """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
+        return dict(self._counts)
+
+    def get_data_layout(self, data_shape: Any) -> TensorLayout:
+        raise NotImplementedError(self._message)
+
+    def get_variable_layout(self, variable: Any) -> TensorLayout:
+        raise NotImplementedError(self._message)
+
+    def get_tensor_layout(self, path: Any) -> TensorLayout | None:
+        raise NotImplementedError(self._message)
+
+    def distribute_dataset(self, dataset: Any) -> Any:
+        raise NotImplementedError(self._message)
+
+
+_install_lock = threading.Lock()
+_installed = False
+_registry_lock = threading.Lock()
+#: The distribution of each mesh jaxdist made (strategies over the same devices place alike; the latest wins).
+_by_mesh: weakref.WeakValueDictionary[Any, StrategyDistribution] = weakref.WeakValueDictionary()
+
+#: Keras's entry points that run a model; each runs under the distribution its variables were made in.
+_MODEL_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
+
+
+def _first_sharding(model: Any) -> Any:
+    for v in model.variables:
+        # _value: None while Keras holds the state itself (mid-fit); .value would fall back to the initializer.
+        return getattr(getattr(v, "_value", None), "sharding", None)
+    return None
+
+
+def model_distribution(model: Any) -> StrategyDistribution | None:
+    """The StrategyDistribution whose replicas hold ``model``'s variables (None: not made in a jaxdist scope)."""
+    mesh = getattr(_first_sharding(model), "mesh", None)
+    if mesh is None:
+        return None
+    with _registry_lock:
+        return _by_mesh.get(mesh)
+
+
+def _check_model_devices(model: Any, dist: StrategyDistribution) -> None:
+    sharding = _first_sharding(model)
+    if sharding is None:
+        return
+    have = set(sharding.device_set)
+    if have != set(dist.strategy.devices):
+        raise ConfigurationError(
+            f"this Keras model's variables live on {sorted(str(d) for d in have)}, not on the devices of "
+            f"{type(dist.strategy).__name__}.scope() ({dist.num_replicas_in_sync} replicas): build and compile the "
+            "model inside the strategy's scope (as TF requires), or run it outside the scope"
+        )
+
+
+def install_data_placement() -> None:
+    """Hook jaxdist into Keras's JAX trainer (idempotent).
+
+    - Keras's distributed input goes through :meth:`StrategyDistribution.batches`,
+      only while a :class:`StrategyDistribution` is the current distribution
+      (any other distribution, or none, gets Keras's own iterator);
+    - ``fit``/``evaluate``/``predict``/``*_on_batch`` of a model whose variables
+      were made in a jaxdist strategy's scope run under that strategy's
+      distribution when no distribution is current (TF's rule: a model keeps
+      the strategy it was created in, also outside the scope and in other
+      threads, where Keras's thread-local distribution is unset).
+
+    Raises ConfigurationError when the installed Keras lacks what is hooked
+    (a Keras outside the range jaxdist's ``keras`` extra pins).
+    """
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        try:
+            from keras.src.backend.jax.trainer import JAXEpochIterator
+        except ImportError as e:  # pragma: no cover - depends on the installed Keras
+            raise ConfigurationError(f"this Keras ({keras.__version__}) has no JAX trainer jaxdist knows: {e}") from e
+        original = getattr(JAXEpochIterator, "_get_distributed_iterator", None)
+        if original is None:  # pragma: no cover - depends on the installed Keras
+            raise ConfigurationError(
+                f"Keras {keras.__version__} is outside the range jaxdist supports (pip install 'jaxdist[keras]')"
+            )
+
+        def _get_distributed_iterator(self: Any, distribution: Any) -> Iterator[Any]:
+            if isinstance(distribution, StrategyDistribution):
+                return distribution.batches(self.data_adapter.get_jax_iterator())
+            return original(self, distribution)
+
+        JAXEpochIterator._get_distributed_iterator = _get_distributed_iterator
+        from keras.src.backend.jax.trainer import JAXTrainer
+
+        for name in _MODEL_ENTRY_POINTS:
+            setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name), name.endswith("_on_batch")))
+        JAXTrainer.make_predict_function = _fetchable_predictions(JAXTrainer.make_predict_function)
+        _installed = True
+
+
+def _fetchable_predictions(make: Any) -> Any:
+    """In a multi-process job, ``predict``'s outputs are gathered to every process (Keras turns them into numpy)."""
+
+    @functools.wraps(make)
+    def make_predict_function(self: Any, force: bool = False) -> Any:
+        make(self, force)
+        dist = keras.distribution.distribution()
+        inner = self.predict_function
+        if isinstance(dist, StrategyDistribution) and dist.multi_process and not getattr(inner, "_jaxdist_gathers", False):
+
+            def predict_function(state: Any, iterator: Any) -> Any:
+                outputs, state = inner(state, iterator)
+                return dist.fetchable(outputs), state
+
+            predict_function._jaxdist_gathers = True  # type: ignore[attr-defined]
+            self.predict_function = predict_function
+        return self.predict_function
+
+    return make_predict_function
+
+
+def _under_model_distribution(method: Any, on_batch: bool) -> Any:
+    def refuse_multi_process(dist: StrategyDistribution) -> None:
+        # Keras places an *_on_batch input as this process's part of the batch (make_array_from_process_local_data),
+        # unlike fit, where every process feeds the global batch (TF's DATA policy): refuse rather than mix the two.
+        if on_batch and dist.multi_process:
+            raise NotImplementedError(
+                f"{method.__name__} under a multi-process {type(dist.strategy).__name__} is not supported: use "
+                "fit/evaluate/predict (every process passes the same global data)"
+            )
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        current = keras.distribution.distribution()
+        if current is None:
+            dist = model_distribution(self)
+            if dist is not None:
+                refuse_multi_process(dist)
+                with dist.scope():
+                    return method(self, *args, **kwargs)
+        elif isinstance(current, StrategyDistribution):
+            _check_model_devices(self, current)
+            refuse_multi_process(current)
+        return method(self, *args, **kwargs)
+
+    return run

@@ -1,0 +1,161 @@
+"""Keras 3 fit under MultiWorkerMirroredStrategy across 2 real processes x 4 fake CPU devices.
+
+Each process is ``python tests/multiprocess/test_keras_multiprocess.py <mode> <out>``
+with its own ``TF_CONFIG``; the reference is plain single-device Keras in a
+third process. The pytest process never imports Keras.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
+
+GLOBAL_BATCH = 32
+NUM_EXAMPLES = 100  # 3 full global batches, then 4 rows (not divisible by 8 replicas)
+
+
+# ---------------------------------------------------------------------------------------
+# Child process
+# ---------------------------------------------------------------------------------------
+
+
+def _child(mode: str, out: str) -> None:
+    import jaxdist.keras  # noqa: F401  (KERAS_BACKEND=jax)
+
+    import jaxdist
+
+    strategy = jaxdist.MultiWorkerMirroredStrategy(init_timeout_s=60, peer_timeout_s=30) if mode == "worker" else None
+    import contextlib
+
+    import jax
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(NUM_EXAMPLES, 12)).astype(np.float32)
+    y = rng.integers(0, 4, size=NUM_EXAMPLES).astype(np.int32)
+
+    def build() -> Any:
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(4)])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"], steps_per_execution=2)
+        return model
+
+    scope = strategy.scope if strategy is not None else contextlib.nullcontext
+    result: dict[str, Any] = {}
+    # 1. No seed set: the processes must still start from the same weights (they agree on a seed).
+    if strategy is not None:
+        with scope():
+            unseeded = build()
+        result["unseeded"] = [np.asarray(w) for w in unseeded.get_weights()]
+    # 2. The deterministic fit, compared with single-device Keras.
+    keras.utils.set_random_seed(7)
+    with scope():
+        model = build()
+        history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, validation_data=(x[:50], y[:50]), verbose=0)
+        ev = model.evaluate(x, y, batch_size=24, return_dict=True, verbose=0)
+        pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    if strategy is not None:
+        try:
+            model.train_on_batch(x[:32], y[:32])
+        except NotImplementedError as e:
+            result["on_batch_refused"] = "fit/evaluate/predict" in str(e)
+    np.savez(
+        out,
+        on_batch_refused=result.get("on_batch_refused", False),
+        processes=jax.process_count(),
+        replicas=strategy.num_replicas_in_sync if strategy is not None else 1,
+        weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
+        unseeded=np.concatenate([np.ravel(w) for w in result.get("unseeded", [np.zeros(1)])]),
+        history=json.dumps(history.history),
+        evaluate=json.dumps({k: float(v) for k, v in ev.items()}),
+        predict=np.asarray(pred),
+    )
+    print("KERAS_DONE", flush=True)
+    if strategy is not None:
+        strategy.shutdown()
+
+
+# ---------------------------------------------------------------------------------------
+# Parent
+# ---------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spawn(mode: str, out: Path, devices: int, tf_config: dict[str, Any] | None) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_JOB_ID", "SLURM_PROCID", "KERAS_BACKEND",
+              "JAXDIST_TPU_FAKE_DEVICES"):
+        env.pop(k, None)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    if tf_config is not None:
+        env["TF_CONFIG"] = json.dumps(tf_config)
+    return subprocess.Popen([sys.executable, __file__, mode, str(out)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) -> None:
+    """2 processes x 4 devices: the same weights, history, evaluate and predict as Keras on one device
+    (float32 tolerance), every process feeding the same arrays (TF's DATA policy), short last batches included;
+    without a seed the processes still start from the same weights."""
+    import numpy as np
+
+    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+    procs = [
+        _spawn("reference", tmp_path / "ref.npz", 1, None),
+        *(_spawn("worker", tmp_path / f"w{i}.npz", 4, {"cluster": cluster, "task": {"type": "worker", "index": i}})
+          for i in range(2)),
+    ]
+    deadline = time.monotonic() + 360
+    outs = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outs.append((p.returncode, so, se))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for name, (rc, so, se) in zip(("reference", "worker:0", "worker:1"), outs):
+        assert rc == 0 and "KERAS_DONE" in so, f"{name} failed (rc={rc}):\n{so[-2000:]}\n{se[-5000:]}"
+    ref = np.load(tmp_path / "ref.npz")
+    w = [np.load(tmp_path / f"w{i}.npz") for i in range(2)]
+    for i, got in enumerate(w):
+        assert int(got["processes"]) == 2 and int(got["replicas"]) == 8, i
+        assert bool(got["on_batch_refused"]), i  # *_on_batch would read each process's input as its part: refused
+        np.testing.assert_allclose(got["weights"], ref["weights"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} weights")
+        np.testing.assert_allclose(got["predict"], ref["predict"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} predict")
+        h_ref, h_got = json.loads(str(ref["history"])), json.loads(str(got["history"]))
+        assert h_got.keys() == h_ref.keys()
+        for k in h_ref:
+            np.testing.assert_allclose(h_got[k], h_ref[k], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} history {k}")
+        e_ref, e_got = json.loads(str(ref["evaluate"])), json.loads(str(got["evaluate"]))
+        for k in e_ref:
+            assert abs(e_got[k] - e_ref[k]) < 2e-5, (i, k, e_got, e_ref)
+    np.testing.assert_array_equal(w[0]["unseeded"], w[1]["unseeded"])
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
