@@ -2,7 +2,8 @@
 
 One thread, ``jaxdist-dispatch``, runs an asyncio loop with a ``grpc.aio``
 channel per worker. Whatever the number of workers, nothing else waits or
-polls on their behalf:
+polls on their behalf (the loop and its thread are shared by the
+coordinators of a process, see :class:`_SharedLoop`):
 
 - **Closures.** The loop keeps the set of *idle* workers (healthy, no call
   in flight), oldest first. When the closure queue says closures may be
@@ -187,8 +188,62 @@ class WorkerHandle:
                                        response_deserializer=common_pb2.ShutdownResponse.FromString)
 
 
+class _SharedLoop:
+    """The process's dispatch event loop, run by the ``jaxdist-dispatch`` thread while any
+    :class:`Dispatcher` uses it (the thread ends with the last one; the loop object is kept).
+
+    Why one loop per process, never closed: grpcio's asyncio poller (1.85) binds every event loop
+    that ever made an aio call to one shared wake-up socket for the rest of the process, and
+    hands a closed loop's late completions to whichever loop wakes next, whose handler then
+    raises "Event loop is closed" with the other events of that wake-up still queued. A loop
+    that is only stopped, never closed, takes late completions of dead calls quietly (they
+    complete nothing) and is run again by the next coordinator.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.ident: int | None = None
+
+    def acquire(self) -> asyncio.AbstractEventLoop:
+        """The loop, running (its thread is started by the first user)."""
+        with self._lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            if self._users == 0:
+                started = threading.Event()
+                self.loop.call_soon_threadsafe(started.set)
+                self._thread = threading.Thread(target=self._run, name="jaxdist-dispatch", daemon=True)
+                self._thread.start()
+                started.wait()
+            self._users += 1
+            return self.loop
+
+    def release(self, timeout: float = 5.0) -> None:
+        """One user less; the last one stops the loop and joins its thread."""
+        with self._lock:
+            self._users -= 1
+            if self._users > 0 or self.loop is None or self._thread is None:
+                return
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout)
+            self._thread = None
+            self.ident = None
+
+    def _run(self) -> None:
+        assert self.loop is not None
+        asyncio.set_event_loop(self.loop)
+        self.ident = threading.get_ident()
+        self.loop.run_forever()
+
+
+_SHARED = _SharedLoop()
+
+
 class Dispatcher:
-    """The ``jaxdist-dispatch`` thread and its event loop: every call to every worker.
+    """Every call to every worker of one coordinator, on the process's dispatch loop.
 
     ``start``/``stop``. Thread-safe entry points: :meth:`kick`, :meth:`add`,
     :meth:`remove`, :meth:`call` (run a coroutine on the loop and wait),
@@ -204,9 +259,8 @@ class Dispatcher:
         self._settings = settings
         self._host = host
         self._credentials = credentials
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run_loop, name="jaxdist-dispatch", daemon=True)
-        self._loop_ident: int | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
         self._handles: dict[int, WorkerHandle] = {}
         self._idle: dict[int, WorkerHandle] = {}  # insertion order: longest idle first
         self._kick_pending = False
@@ -221,25 +275,18 @@ class Dispatcher:
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        started = threading.Event()
-        self._loop.call_soon(started.set)
-        self._thread.start()
-        started.wait()
+        self._loop = _SHARED.acquire()
+        self._running = True
+        self._loop.call_soon_threadsafe(self._start_ticks)
 
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._loop_ident = threading.get_ident()
-        self._tick_due = self._loop.time() + TICK_S
-        self._tick_handle = self._loop.call_at(self._tick_due, self._tick)
-        try:
-            self._loop.run_forever()
-        finally:
-            self._loop.close()
+    def _start_ticks(self) -> None:
+        self._tick_due = self.loop.time() + TICK_S
+        self._tick_handle = self.loop.call_at(self._tick_due, self._tick)
 
     def quiesce(self, timeout: float) -> None:
         """Stop dispatching: cancel every call in flight (the queue was stopped, so their closures
         are cancelled) and wait for their batches to settle. Channels stay open (:meth:`shutdown_workers`)."""
-        if self._thread.is_alive():
+        if self._running:
             self.call(self._quiesce(), timeout)
 
     async def _quiesce(self) -> None:
@@ -260,34 +307,44 @@ class Dispatcher:
             await asyncio.wait(waits)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Close every channel and end the loop thread (after :meth:`quiesce`). Idempotent."""
-        if not self._thread.is_alive():
+        """Close every channel and let go of the loop (after :meth:`quiesce`). Idempotent."""
+        if not self._running:
             return
         try:
             self.call(self._close_all(), timeout)
-        except (TimeoutError, concurrent.futures.TimeoutError):
+        except TimeoutError:
             logger.warning("dispatcher: channels not closed within %.0fs", timeout)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout)
+        self._running = False
+        _SHARED.release(timeout)
 
     async def _close_all(self) -> None:
         await self._quiesce()
+        # Closing a channel ends its calls and watches; the coroutines waiting on them then finish.
+        await asyncio.gather(*(h.channel.close() for h in self._handles.values() if h.channel is not None),
+                             return_exceptions=True)
         tasks = [t for t in self._tasks if not t.done()]
-        for t in tasks:
-            t.cancel()
-        closes = [h.channel.close() for h in self._handles.values() if h.channel is not None]
-        await asyncio.gather(*tasks, *closes, return_exceptions=True)
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=1.0)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
 
     # ---------------------------------------------------------- thread bridges
     @property
     def on_loop(self) -> bool:
-        return threading.get_ident() == self._loop_ident
+        return threading.get_ident() == _SHARED.ident
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("the dispatcher was not started")
+        return self._loop
 
     def call(self, coro: Awaitable[T], timeout: float | None) -> T:
         """Run ``coro`` on the loop and return its result (from any thread but the loop's)."""
         if self.on_loop:  # pragma: no cover - a bug: the loop would wait on itself
             raise RuntimeError("Dispatcher.call() from the dispatch loop")
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -299,10 +356,10 @@ class Dispatcher:
         if self.on_loop:
             fn(*args)
         else:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self.loop.call_soon_threadsafe(fn, *args)
 
     def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
-        task = self._loop.create_task(coro)  # type: ignore[arg-type]
+        task = self.loop.create_task(coro)  # type: ignore[arg-type]
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -313,10 +370,10 @@ class Dispatcher:
             return
         self._kick_pending = True
         if self.on_loop:
-            self._loop.call_soon(self._dispatch)
+            self.loop.call_soon(self._dispatch)
         else:
             try:
-                self._loop.call_soon_threadsafe(self._dispatch)
+                self.loop.call_soon_threadsafe(self._dispatch)
             except RuntimeError:  # the loop is closed (shutdown)
                 pass
 
@@ -340,7 +397,7 @@ class Dispatcher:
         if self.on_loop:
             self._spawn(self._remove(handle))
             return None
-        return asyncio.run_coroutine_threadsafe(self._remove(handle), self._loop)
+        return asyncio.run_coroutine_threadsafe(self._remove(handle), self.loop)
 
     async def _remove(self, h: WorkerHandle) -> None:
         h.leaving = True
@@ -416,7 +473,7 @@ class Dispatcher:
 
     def _send(self, h: WorkerHandle, batch: list[Closure]) -> None:
         h.busy = True
-        h.batch_done = self._loop.create_future()
+        h.batch_done = self.loop.create_future()
         self._spawn(self._run_batch(h, batch))
 
     def _request(self, h: WorkerHandle, batch: list[Closure]) -> tuple[worker_pb2.RunRequest, list[str]] | None:
@@ -490,10 +547,12 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ liveness
     def _tick(self) -> None:
-        now = self._loop.time()
+        if self._stopping:
+            return
+        now = self.loop.time()
         late = now - self._tick_due
         self._tick_due = now + TICK_S
-        self._tick_handle = self._loop.call_at(self._tick_due, self._tick)
+        self._tick_handle = self.loop.call_at(self._tick_due, self._tick)
         if late > _STALL_S:
             self._host.apply(self._failures.coordinator_stalled(late))
         self._host.apply(self._failures.tick())
