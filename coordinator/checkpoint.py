@@ -48,10 +48,10 @@ import numpy as np
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import sha256_file
-from jaxdist.ps_server.client import PSClient, optimizer_payload
-from jaxdist.sharded_variable import ShardedVariable
+from jaxdist.proto.ps_wire import optimizer_payload
+from jaxdist.ps_server.client import PSClient
 from jaxdist.sync import checkpointing as sync_ckpt
-from jaxdist.variables import Variable, _dtype
+from jaxdist.variables import _dtype
 
 if TYPE_CHECKING:
     from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
@@ -66,14 +66,6 @@ __all__ = ["Checkpoint", "CheckpointManager", "latest_checkpoint", "load", "unfl
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
-
-
-def _shards_of(var: Variable | ShardedVariable) -> list[tuple[Variable, int]]:
-    """``(shard, first row)`` of a variable (a plain variable is one shard at row 0)."""
-    if isinstance(var, ShardedVariable):
-        offsets = np.cumsum([0] + [v.shape[0] for v in var.variables])
-        return [(v, int(o)) for v, o in zip(var.variables, offsets)]
-    return [(var, 0)]
 
 
 def latest_checkpoint(directory: str) -> str | None:
@@ -187,7 +179,7 @@ class Checkpoint:
             variables = {}
             for name, var in strategy.variables.items():
                 shards = []
-                for shard, row in _shards_of(var):
+                for shard, row in var.shards():
                     if (shard.ps_index, shard.name) not in where:
                         raise ConfigurationError(f"variable {shard.name!r} is missing on ps:{shard.ps_index}; was the PS restarted empty?")
                     file, leaves = where[(shard.ps_index, shard.name)]
@@ -249,7 +241,7 @@ class Checkpoint:
                 raise ConfigurationError(
                     f"variable {name!r} is {list(var.shape)} {var.dtype} here but {saved['shape']} {saved['dtype']} in {path}"
                 )
-            for shard, row in _shards_of(var):
+            for shard, row in var.shards():
                 if ps_tasks is not None and shard.ps_index not in ps_tasks:
                     continue
                 req = by_ps[shard.ps_index]

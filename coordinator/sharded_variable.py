@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.partitioners import shard_of_indices, shard_offsets
-from jaxdist.ps_server.client import PullSpec
-from jaxdist.variables import SparseGradient, Variable, VariableOps, gradient_array, pull, push_updates
+from jaxdist.partitioners import shard_offsets
+from jaxdist.proto.ps_wire import PullSpec
+from jaxdist.variables import Variable, VariableOps, locate_rows, pull
 
 __all__ = ["ShardedVariable", "embedding_lookup"]
 
@@ -45,16 +45,20 @@ class ShardedVariable(VariableOps):
     def __repr__(self) -> str:
         return f"<jaxdist.ShardedVariable {self.name!r} shape={self.shape} dtype={self.dtype} shards={len(self.variables)}>"
 
+    def shards(self) -> list[tuple[Variable, int]]:
+        """``(shard, first row)`` per shard (``{name}/part_{i}``), in row order."""
+        return [(v, int(row)) for v, row in zip(self.variables, self._offsets[:-1])]
+
     def numpy(self) -> np.ndarray:
         """The full value (all shards pulled in parallel, each into its rows of one array)."""
         return pull(self)
 
     def _split_rows(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.shape[0]):
-            raise IndexError(f"row index out of range [0, {self.shape[0]}) for {self.name!r}")
-        shard, local = shard_of_indices(idx, self.shape[0], len(self.variables))
-        return np.asarray(shard), np.asarray(local)
+        try:
+            return locate_rows(self.shards(), self.shape[0], idx)
+        except IndexError as e:
+            raise IndexError(f"{e} for {self.name!r}") from None
 
     def sparse_read(self, indices: Any) -> np.ndarray:
         """Rows ``indices`` (any int array shape); pulls only those rows, de-duplicated."""
@@ -98,37 +102,6 @@ class ShardedVariable(VariableOps):
             rows = self.sparse_read(np.arange(self.shape[0])[first])
             return rows[(slice(None),) + rest] if rest else rows
         raise TypeError(f"ShardedVariable supports int and slice indexing on dim 0, got {type(first).__name__}")
-
-    # ---------------------------------------------------------------- updates
-    def _dense(self, op: str, value: Any) -> ShardedVariable:
-        full = np.broadcast_to(np.asarray(value, dtype=self.dtype), self.shape)
-        push_updates([(v, op, full[self._offsets[i] : self._offsets[i + 1]], None) for i, v in enumerate(self.variables)])
-        return self
-
-    def _rows(self, op: str, indices: Any, rows: Any) -> list[tuple[Variable, str, np.ndarray, np.ndarray | None]]:
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        # Gradient rows may travel narrower (bf16); every other op's rows take the variable's dtype.
-        vals = gradient_array(rows, self.dtype) if op == "sparse_apply_gradient" else np.asarray(rows, dtype=self.dtype)
-        vals = vals.reshape((len(idx),) + self.shape[1:])
-        shard, local = self._split_rows(idx)
-        out = []
-        for s in np.unique(shard):
-            sel = shard == s
-            out.append((self.variables[int(s)], op, vals[sel], local[sel]))
-        return out
-
-    def _scatter(self, op: str, indices: Any, rows: Any) -> ShardedVariable:
-        push_updates(self._rows(op, indices, rows))
-        return self
-
-    # used by jaxdist.apply_gradients for dense gradients of a sharded leaf
-    def _jaxdist_shards(self, grad: np.ndarray) -> list[tuple[Variable, str, np.ndarray, np.ndarray | None]]:
-        if isinstance(grad, SparseGradient):
-            return self._rows("sparse_apply_gradient", grad.indices, grad.rows)
-        g = gradient_array(grad, self.dtype)  # keeps a narrow (bf16) transfer dtype
-        if g.shape != self.shape:
-            raise ValueError(f"gradient for {self.name!r} has shape {g.shape}, expected {self.shape}")
-        return [(v, "apply_gradient", g[self._offsets[i] : self._offsets[i + 1]], None) for i, v in enumerate(self.variables)]
 
 
 def embedding_lookup(table: ShardedVariable | Variable, ids: Any) -> np.ndarray:

@@ -17,32 +17,43 @@ from __future__ import annotations
 import abc
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.proto import codec
-from jaxdist.ps_server.client import CreateSpec, PullSpec, PushSpec, deadline_for
+from jaxdist.proto import ps_wire
+from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
+from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.worker.context import current_ps, next_update_id
 
 __all__ = [
     "Variable",
+    "VariableOps",
+    "SparseGradient",
     "pull",
     "apply_gradients",
-    "SparseGradient",
+    "push_updates",
+    "split_update",
 ]
+
+#: One update of one shard: ``(shard, op, value, row indices or None)``.
+ShardUpdate = tuple["Variable", Op, np.ndarray, "np.ndarray | None"]
+
+_V = TypeVar("_V", bound="VariableOps")
 
 
 # -------------------------------------------------------------------- Variable
 class VariableOps(abc.ABC):
     """Reads and updates shared by :class:`Variable` and ``ShardedVariable``.
 
-    Subclasses provide ``shape``, ``dtype``, ``numpy()`` (the full value),
-    ``_dense(op, value)`` and ``_scatter(op, indices, rows)``. Updates return
-    the variable, like TF's assign ops.
+    Subclasses provide ``shape``, ``dtype``, ``numpy()`` (the full value) and
+    :meth:`shards`; every update is cut into per-shard pushes through that one
+    view (:func:`split_update`), so a plain and a sharded variable send the
+    same bytes for the same update. Updates return the variable, like TF's
+    assign ops.
     """
 
     __slots__ = ()
@@ -62,12 +73,12 @@ class VariableOps(abc.ABC):
         """The full value, pulled from the PS."""
 
     @abc.abstractmethod
-    def _dense(self, op: str, value: Any) -> Any:
-        """Push a whole-variable update."""
+    def shards(self) -> list[tuple[Variable, int]]:
+        """``(shard, first row)`` per shard, in row order; a plain variable is one shard at row 0.
 
-    @abc.abstractmethod
-    def _scatter(self, op: str, indices: Any, rows: Any) -> Any:
-        """Push a row update."""
+        Shards are dim-0 row ranges of the full value: shard ``i`` holds rows
+        ``[first_i, first_i + shard.shape[0])``.
+        """
 
     def read_value(self) -> jax.Array:
         return jax.numpy.asarray(self.numpy())
@@ -82,37 +93,46 @@ class VariableOps(abc.ABC):
     def __jax_array__(self) -> jax.Array:
         return self.read_value()
 
-    def assign(self, value: Any) -> Any:
-        return self._dense("assign", value)
+    def _update(self: _V, op: Op, value: Any, indices: Any = None) -> _V:
+        push_updates(split_update(self, op, value, indices))
+        return self
 
-    def assign_add(self, delta: Any) -> Any:
-        return self._dense("assign_add", delta)
+    def assign(self: _V, value: Any) -> _V:
+        return self._update(Op.ASSIGN, value)
 
-    def assign_sub(self, delta: Any) -> Any:
-        return self._dense("assign_sub", delta)
+    def assign_add(self: _V, delta: Any) -> _V:
+        return self._update(Op.ASSIGN_ADD, delta)
 
-    def apply_gradient(self, grad: Any) -> Any:
-        """Push a dense gradient; the PS applies the variable's optimizer to it."""
-        return self._dense("apply_gradient", grad)
+    def assign_sub(self: _V, delta: Any) -> _V:
+        return self._update(Op.ASSIGN_SUB, delta)
 
-    def scatter_update(self, indices: Any, rows: Any) -> Any:
-        return self._scatter("scatter_update", indices, rows)
+    def apply_gradient(self: _V, grad: Any) -> _V:
+        """Push a dense gradient; the PS applies the variable's optimizer to it.
 
-    def scatter_add(self, indices: Any, rows: Any) -> Any:
-        return self._scatter("scatter_add", indices, rows)
+        The gradient travels in :func:`jaxdist.proto.ps_wire.transfer_dtype`'s
+        dtype, exactly as with :func:`apply_gradients`: one already in
+        bfloat16/float16 stays so for a wider float variable.
+        """
+        return self._update(Op.APPLY_GRADIENT, grad)
 
-    def scatter_sub(self, indices: Any, rows: Any) -> Any:
-        return self._scatter("scatter_sub", indices, rows)
+    def scatter_update(self: _V, indices: Any, rows: Any) -> _V:
+        return self._update(Op.SCATTER_UPDATE, rows, indices)
 
-    def scatter_min(self, indices: Any, rows: Any) -> Any:
-        return self._scatter("scatter_min", indices, rows)
+    def scatter_add(self: _V, indices: Any, rows: Any) -> _V:
+        return self._update(Op.SCATTER_ADD, rows, indices)
 
-    def scatter_max(self, indices: Any, rows: Any) -> Any:
-        return self._scatter("scatter_max", indices, rows)
+    def scatter_sub(self: _V, indices: Any, rows: Any) -> _V:
+        return self._update(Op.SCATTER_SUB, rows, indices)
 
-    def apply_sparse_gradient(self, indices: Any, rows: Any) -> Any:
+    def scatter_min(self: _V, indices: Any, rows: Any) -> _V:
+        return self._update(Op.SCATTER_MIN, rows, indices)
+
+    def scatter_max(self: _V, indices: Any, rows: Any) -> _V:
+        return self._update(Op.SCATTER_MAX, rows, indices)
+
+    def apply_sparse_gradient(self: _V, indices: Any, rows: Any) -> _V:
         """Push gradient rows for ``indices``; the optimizer updates only those rows (lazily)."""
-        return self._scatter("sparse_apply_gradient", indices, rows)
+        return self._update(Op.SPARSE_APPLY_GRADIENT, rows, indices)
 
 
 class Variable(VariableOps):
@@ -155,6 +175,9 @@ class Variable(VariableOps):
     def device(self) -> str:
         return f"/job:ps/task:{self.ps_index}"
 
+    def shards(self) -> list[tuple[Variable, int]]:
+        return [(self, 0)]
+
     def numpy(self) -> np.ndarray:
         (value,) = pull_arrays([self])
         return value
@@ -165,20 +188,6 @@ class Variable(VariableOps):
         conns = self.connections()
         ((value, _),) = conns.client(self.ps_index).pull([PullSpec(self.name, indices=idx.reshape(-1))])
         return value.reshape(idx.shape + self.shape[1:])
-
-    def _push(self, op: str, value: Any, indices: Any = None) -> Variable:
-        arr = np.asarray(value, dtype=self.dtype)
-        idx = None if indices is None else np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx is not None:
-            arr = arr.reshape((len(idx),) + self.shape[1:])
-        self.connections().client(self.ps_index).push([PushSpec(self.name, op, arr, idx)], update_id=next_update_id())
-        return self
-
-    def _dense(self, op: str, value: Any) -> Variable:
-        return self._push(op, np.broadcast_to(np.asarray(value, self.dtype), self.shape))
-
-    def _scatter(self, op: str, indices: Any, rows: Any) -> Variable:
-        return self._push(op, rows, indices)
 
 
 def _dtype(d: Any) -> np.dtype:
@@ -201,7 +210,7 @@ class SparseGradient:
 
 # -------------------------------------------------------------- tree functions
 def _leaves(tree: Any) -> tuple[list[Any], Any]:
-    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, Variable) or hasattr(x, "_jaxdist_shards"))
+    return jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, VariableOps))
 
 
 def _connections_of(variables: Sequence[Variable]) -> PSConnections:
@@ -213,9 +222,10 @@ def _connections_of(variables: Sequence[Variable]) -> PSConnections:
     return found if found is not None else current_ps()
 
 
-def _pull_dtype(var_dtype: np.dtype, dtype: np.dtype | None) -> np.dtype | None:
-    """The dtype to ask the PS for: ``dtype`` when it is a narrower float than the variable, else None (as stored)."""
-    return dtype if dtype is not None and codec.is_narrower_float(dtype, np.dtype(var_dtype)) else None
+def _pull_spec(var: Variable, dtype: np.dtype | None) -> PullSpec:
+    """What to ask the PS for: ``var`` as stored, or rounded to ``dtype`` where the transfer rule allows it."""
+    wanted = ps_wire.transfer_dtype(var.dtype, None, dtype)
+    return PullSpec(var.name, as_dtype=None if wanted == var.dtype else wanted)
 
 
 def pull_arrays(
@@ -234,7 +244,7 @@ def pull_arrays(
     calls = {
         ps: (
             lambda c, idxs=idxs: c.pull(
-                [PullSpec(variables[i].name, as_dtype=_pull_dtype(variables[i].dtype, dtype)) for i in idxs],
+                [_pull_spec(variables[i], dtype) for i in idxs],
                 timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
                 out=None if out is None else [out[i] for i in idxs],
             )
@@ -242,11 +252,11 @@ def pull_arrays(
         for ps, idxs in by_ps.items()
     }
     results = conns.fan_out(calls)
-    out: list[Any] = [None] * len(variables)
+    values: list[Any] = [None] * len(variables)
     for ps, idxs in by_ps.items():
         for i, (value, _version) in zip(idxs, results[ps]):
-            out[i] = value
-    return out
+            values[i] = value
+    return values
 
 
 def pull(tree: Any, dtype: Any = None) -> Any:
@@ -264,62 +274,120 @@ def pull(tree: Any, dtype: Any = None) -> Any:
     the model should compute in float32.
     """
     td = None if dtype is None else np.dtype(dtype)
-    if td is not None and td not in codec.NARROW_FLOATS:
+    if td is not None and td not in ps_wire.NARROW_FLOATS:
         raise ValueError(f"pull dtype must be bfloat16 or float16, got {td}")
     leaves, treedef = _leaves(tree)
-    flat: list[Any] = []
+    flat: list[Variable] = []
     outs: list[np.ndarray | None] = []
-    fulls: list[Any] = []  # per leaf: the preallocated full value of a sharded variable, else None
+    fulls: list[np.ndarray | None] = []  # per variable leaf made of several shards: its full value
     for leaf in leaves:
-        if hasattr(leaf, "_jaxdist_shards"):
-            # Shards are dim-0 row ranges: each is received straight into its rows
-            # of one preallocated array, so no concatenation copy follows.
-            full = np.empty(leaf.shape, _pull_dtype(leaf.dtype, td) or leaf.dtype)
-            fulls.append(full)
-            flat.extend(leaf.variables)
-            outs.extend(full[a:b] for a, b in zip(leaf._offsets[:-1], leaf._offsets[1:]))
-        else:
+        if not isinstance(leaf, VariableOps):
+            continue
+        parts = leaf.shards()
+        if isinstance(leaf, Variable):
             fulls.append(None)
             flat.append(leaf)
             outs.append(None)
-    is_var = [isinstance(v, Variable) for v in flat]
-    values = iter(pull_arrays([v for v, b in zip(flat, is_var) if b], [o for o, b in zip(outs, is_var) if b], td))
-    pulled = [next(values) if b else v for v, b in zip(flat, is_var)]
-    return jax.tree.unflatten(treedef, _collapse(leaves, pulled, fulls))
+            continue
+        # Shards are dim-0 row ranges: each is received straight into its rows
+        # of one preallocated array, so no concatenation copy follows.
+        full = np.empty(leaf.shape, ps_wire.transfer_dtype(leaf.dtype, None, td))
+        fulls.append(full)
+        for shard, row in parts:
+            flat.append(shard)
+            outs.append(full[row:row + shard.shape[0]])
+    values = iter(pull_arrays(flat, outs, td))
+    out: list[Any] = []
+    full_of = iter(fulls)
+    for leaf in leaves:
+        if not isinstance(leaf, VariableOps):
+            out.append(leaf)
+            continue
+        whole = next(full_of)
+        if whole is None:
+            out.append(next(values))
+            continue
+        for shard, row in leaf.shards():
+            part = next(values)
+            if not np.may_share_memory(part, whole):
+                whole[row:row + shard.shape[0]] = part  # the PS sent another shape/dtype than expected: copy (rare)
+        out.append(whole)
+    return jax.tree.unflatten(treedef, out)
 
 
-_GRADIENT_OPS = frozenset({"apply_gradient", "sparse_apply_gradient"})
+def split_update(
+    var: VariableOps, op: Op, value: Any, indices: Any = None, transfer_dtype: Any = None, broadcast: bool = True
+) -> list[ShardUpdate]:
+    """``op`` with ``value`` on ``var`` as one update per shard it touches (via :meth:`VariableOps.shards`).
 
+    The value is converted once to the dtype it travels in
+    (:func:`jaxdist.proto.ps_wire.wire_value`, offered ``transfer_dtype``).
+    A dense value is broadcast to the variable's shape (``broadcast``; else
+    it must have that shape) and cut into each shard's rows; rows with
+    ``indices`` go to the shards that own them, with shard-local indices.
 
-def gradient_array(grad: Any, var_dtype: np.dtype, transfer_dtype: np.dtype | None = None) -> np.ndarray:
-    """``grad`` as the numpy array to push for a variable of ``var_dtype``.
-
-    A gradient already in a narrower float dtype (bfloat16, float16) travels
-    as it is; with ``transfer_dtype`` a wider one is cast to it first (by XLA
-    when it is a JAX array). Anything else is cast to ``var_dtype``.
+    Raises:
+        ValueError: a dense value of the wrong shape for a sharded variable (without ``broadcast``).
+        IndexError: a row index outside a sharded variable.
     """
-    if not hasattr(grad, "dtype"):  # lists, scalars
-        grad = np.asarray(grad)
-    if transfer_dtype is not None and codec.is_narrower_float(transfer_dtype, var_dtype) and not codec.is_narrower_float(np.dtype(grad.dtype), var_dtype):
-        grad = grad.astype(transfer_dtype)
-    arr = np.asarray(grad)
-    return arr if codec.is_narrower_float(arr.dtype, var_dtype) else np.asarray(arr, dtype=var_dtype)
+    op = Op(op)
+    parts = var.shards()
+    arr = ps_wire.wire_value(value, var.dtype, op, transfer_dtype)
+    if indices is None:
+        if broadcast:
+            arr = np.broadcast_to(arr, var.shape)
+        if len(parts) == 1:
+            return [(parts[0][0], op, arr, None)]
+        if arr.shape != var.shape:
+            raise ValueError(f"{op.value} for {getattr(var, 'name', var)!r} has shape {arr.shape}, expected {var.shape}")
+        return [(shard, op, arr[row:row + shard.shape[0]], None) for shard, row in parts]
+    idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+    rows = arr.reshape((len(idx),) + var.shape[1:])
+    if len(parts) == 1:
+        return [(parts[0][0], op, rows, idx)]
+    shard_of, local = locate_rows(parts, var.shape[0], idx)
+    out: list[ShardUpdate] = []
+    for s in np.unique(shard_of):
+        sel = shard_of == s
+        out.append((parts[int(s)][0], op, rows[sel], local[sel]))
+    return out
 
 
-def push_updates(pairs: Sequence[tuple[Variable, str, np.ndarray, np.ndarray | None]]) -> None:
+def locate_rows(parts: Sequence[tuple[Variable, int]], dim0: int, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For rows ``idx`` of a variable of ``dim0`` rows cut into ``parts`` (:meth:`VariableOps.shards`):
+    the position of the shard holding each row, and the row's index in that shard.
+
+    Raises:
+        IndexError: a row outside ``[0, dim0)``.
+    """
+    if idx.size and (idx.min() < 0 or idx.max() >= dim0):
+        raise IndexError(f"row index out of range [0, {dim0})")
+    firsts = np.array([row for _, row in parts], dtype=np.int64)
+    # The last shard starting at or before each row; empty shards (dim0 < shards) start at dim0 and own nothing.
+    shard_of = np.searchsorted(firsts, idx, side="right") - 1
+    return shard_of, idx - firsts[shard_of]
+
+
+def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]) -> None:
     """Push ``(variable, op, value, indices)`` updates: one atomic push per PS task, in parallel.
 
-    Values are cast to their variable's dtype, except gradients in a narrower
-    float dtype (bfloat16/float16 transfer), which the PS widens.
+    Each value travels in :func:`jaxdist.proto.ps_wire.transfer_dtype`'s dtype
+    (the variable's, except bfloat16/float16 gradients of wider float
+    variables, which the PS widens). ``op`` is an :class:`Op` (or its name).
     """
-    by_ps: dict[int, list[PushSpec]] = defaultdict(list)
-    for var, op, value, idx in pairs:
-        arr = np.asarray(value)
-        if not (op in _GRADIENT_OPS and codec.is_narrower_float(arr.dtype, var.dtype)):
-            arr = np.asarray(arr, dtype=var.dtype)
-        by_ps[var.ps_index].append(PushSpec(var.name, op, arr, idx))
+    by_ps: dict[int, list[Update]] = defaultdict(list)
+    for var, op, value, idx in updates:
+        op = Op(op)
+        by_ps[var.ps_index].append(Update(var.name, op, ps_wire.wire_value(value, var.dtype, op), idx))
     update_id = next_update_id()
-    _connections_of([var for var, *_ in pairs]).fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+    _connections_of([var for var, *_ in updates]).fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+
+
+def gradient_updates(var: VariableOps, grad: Any, transfer_dtype: Any = None, broadcast: bool = True) -> list[ShardUpdate]:
+    """The per-shard pushes of gradient ``grad`` (dense, or a :class:`SparseGradient`) for ``var``."""
+    if isinstance(grad, SparseGradient):
+        return split_update(var, Op.SPARSE_APPLY_GRADIENT, grad.rows, grad.indices, transfer_dtype)
+    return split_update(var, Op.APPLY_GRADIENT, grad, None, transfer_dtype, broadcast)
 
 
 def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> None:
@@ -334,49 +402,26 @@ def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> N
     bytes pushed; the PS widens them back and runs the optimizer in the
     variable's dtype, so only the gradient's rounding changes (bf16 keeps
     float32's range and ~3 significant digits). Gradients already in such a
-    dtype travel as they are, with or without this option; casting inside
-    the jitted gradient function is the cheapest way.
+    dtype travel as they are, with or without this option (and with
+    ``v.apply_gradient``: both send the same bytes); casting inside the
+    jitted gradient function is the cheapest way.
     """
     td = None if transfer_dtype is None else np.dtype(transfer_dtype)
-    if td is not None and td not in codec.NARROW_FLOATS:
+    if td is not None and td not in ps_wire.NARROW_FLOATS:
         raise ValueError(f"transfer_dtype must be bfloat16 or float16, got {td}")
     vleaves, vdef = _leaves(variables)
     gleaves = vdef.flatten_up_to(grads)
-    pairs: list[tuple[Variable, str, np.ndarray, np.ndarray | None]] = []
+    updates: list[ShardUpdate] = []
     for v, g in zip(vleaves, gleaves):
         if g is None:
             continue
+        if not isinstance(v, VariableOps):
+            raise TypeError(f"apply_gradients: leaf {v!r} is not a jaxdist Variable")
         if not getattr(v, "trainable", True):
             continue
-        if isinstance(g, SparseGradient):
-            g = SparseGradient(g.indices, gradient_array(g.rows, v.dtype, td))
-        elif hasattr(v, "_jaxdist_shards") or isinstance(v, Variable):
-            g = gradient_array(g, v.dtype, td)
-        if hasattr(v, "_jaxdist_shards"):
-            pairs.extend(v._jaxdist_shards(g))  # sharded variables split the gradient per shard
-        elif isinstance(v, Variable):
-            if isinstance(g, SparseGradient):
-                pairs.append((v, "sparse_apply_gradient", g.rows.reshape((len(g.indices),) + v.shape[1:]), g.indices))
-            else:
-                pairs.append((v, "apply_gradient", g, None))
-        else:
-            raise TypeError(f"apply_gradients: leaf {v!r} is not a jaxdist Variable")
-    if pairs:
-        push_updates(pairs)
-
-
-def _collapse(leaves: list[Any], pulled: list[Any], fulls: list[Any]) -> list[Any]:
-    it = iter(pulled)
-    out = []
-    for leaf, full in zip(leaves, fulls):
-        if hasattr(leaf, "_jaxdist_shards"):
-            for (a, b), part in zip(zip(leaf._offsets[:-1], leaf._offsets[1:]), (next(it) for _ in leaf.variables)):
-                if not np.may_share_memory(part, full):
-                    full[a:b] = part  # the PS sent another shape/dtype than expected: copy (rare)
-            out.append(full)
-        else:
-            out.append(next(it))
-    return out
+        updates.extend(gradient_updates(v, g, td, broadcast=False))
+    if updates:
+        push_updates(updates)
 
 
 def create_on_ps(specs: Sequence[tuple[int, CreateSpec]], conns: PSConnections) -> None:

@@ -40,15 +40,6 @@ _NP_TO_PROTO: dict[np.dtype, int] = {
 }
 _PROTO_TO_NP: dict[int, np.dtype] = {v: k for k, v in _NP_TO_PROTO.items()}
 
-#: Float dtypes a gradient may travel in when narrower than its variable (the PS widens it).
-NARROW_FLOATS = frozenset({np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16)})
-
-
-def is_narrower_float(value_dtype: np.dtype, var_dtype: np.dtype) -> bool:
-    """``value_dtype`` is bfloat16/float16 and ``var_dtype`` a wider float: a narrow gradient transfer."""
-    return value_dtype in NARROW_FLOATS and var_dtype.kind == "f" and var_dtype.itemsize > value_dtype.itemsize
-
-
 #: Shapes with more dimensions than this are rejected as malformed.
 MAX_RANK = 32
 

@@ -149,7 +149,7 @@ class ParameterServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Replicate(self, request_iterator, context):
-        """Primary/backup replication (see ps_server/replication.py).
+        """Primary/backup replication (see ps_server/backup.py; messages encoded by proto/ps_wire.py).
         Primary -> backup. Request stream: ReplicaHeader frame, then raw data frames.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -30,120 +30,29 @@ backup is declared gone: the primary does not block training on a dead
 backup, which is the usual primary/backup trade-off (two simultaneous
 failures can lose updates; one cannot).
 
-The message encoding here is pure (no sockets) and tested on its own.
+The messages are encoded by :mod:`jaxdist.proto.ps_wire` (``encode_replica_*``); this
+module is the protocol's state machine, free of sockets and tested on its own.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
-import jax
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
-from jaxdist.proto import codec, ps_pb2
-from jaxdist.ps_server.client import OP_CODES, PushSpec, encode_push
+from jaxdist.proto import ps_pb2, ps_wire
 from jaxdist.ps_server.optimizer import Optimizer
-from jaxdist.ps_server.store import Op, Update, VariableStore
+from jaxdist.ps_server.store import Update, VariableStore
 
 logger = logging.getLogger(__name__)
 
-_PROTO_TO_OP = {code: Op(name) for name, code in OP_CODES.items()}
+__all__ = ["ROLE_CODES", "Replication"]
 
 #: Replication roles as numbers, for GetStatus counters and metrics.
 ROLE_CODES = {"primary": 0.0, "backup": 1.0, "deposed": 2.0}
-
-#: One variable as replicated: (name, value, optimizer, optimizer state, version).
-InstalledVariable = tuple[str, np.ndarray, "Optimizer | None", Any, int]
-
-
-# ------------------------------------------------------------------ encoding
-def decode_updates(push: ps_pb2.PushHeader, arrays: Iterator[np.ndarray]) -> list[Update]:
-    """The updates of a push header whose payload arrays come from ``arrays`` (in frame order)."""
-    updates = []
-    for e in push.entries:
-        op = _PROTO_TO_OP.get(e.op)
-        if op is None:
-            raise InvalidRequestError(f"unknown update op {e.op} for variable {e.name!r}")
-        if not e.has_value:
-            raise InvalidRequestError(f"{op.value} on {e.name!r} carries no value")
-        value = next(arrays)
-        idx = next(arrays) if e.has_indices else None
-        updates.append(Update(e.name, op, value, idx))
-    return updates
-
-
-def encode_update(updates: Sequence[Update], update_id: str, epoch: int) -> tuple[ps_pb2.ReplicaHeader, list[np.ndarray]]:
-    """An applied push as a REPLICA_UPDATE: header plus payload arrays in frame order."""
-    header = ps_pb2.ReplicaHeader(epoch=epoch, kind=ps_pb2.REPLICA_UPDATE)
-    _, arrays = encode_push([PushSpec(u.name, u.op.value, u.value, u.indices) for u in updates], update_id, out=header.push)
-    return header, arrays
-
-
-def encode_install(
-    variables: Sequence[InstalledVariable],
-    epoch: int,
-    optimizer_blob: Callable[[Optimizer], bytes],
-    full_sync: bool = False,
-    applied_ids: Sequence[str] = (),
-) -> tuple[ps_pb2.ReplicaHeader, list[np.ndarray]]:
-    """Whole variables as a REPLICA_INSTALL; ``optimizer_blob`` gives an optimizer's pickled form."""
-    header = ps_pb2.ReplicaHeader(epoch=epoch, kind=ps_pb2.REPLICA_INSTALL, full_sync=full_sync)
-    header.applied_ids.extend(applied_ids)
-    arrays: list[np.ndarray] = []
-    for name, value, opt, state, version in variables:
-        e = header.installs.add(name=name, version=version)
-        value = codec.as_wire_array(value)
-        codec.spec_to_proto(value.shape, value.dtype, e.value)
-        arrays.append(value)
-        if opt is not None:
-            e.optimizer, e.optimizer_digest = optimizer_blob(opt), opt.digest
-            for leaf in jax.tree.leaves(state):
-                leaf = codec.as_wire_array(np.asarray(leaf))
-                codec.spec_to_proto(leaf.shape, leaf.dtype, e.state.add())
-                arrays.append(leaf)
-    return header, arrays
-
-
-def payload_specs(header: ps_pb2.ReplicaHeader, max_bytes: int) -> list[tuple[tuple[int, ...], np.dtype]]:
-    """The (shape, dtype) of every payload array the frames after ``header`` carry, in order."""
-    specs = []
-    if header.kind == ps_pb2.REPLICA_UPDATE:
-        for e in header.push.entries:
-            if e.has_value:
-                specs.append(codec.spec_from_proto(e.value, max_bytes))
-            if e.has_indices:
-                specs.append(codec.spec_from_proto(e.indices, max_bytes))
-    elif header.kind == ps_pb2.REPLICA_INSTALL:
-        for e in header.installs:
-            specs.append(codec.spec_from_proto(e.value, max_bytes))
-            specs.extend(codec.spec_from_proto(s, max_bytes) for s in e.state)
-    return specs
-
-
-def decode_installs(
-    header: ps_pb2.ReplicaHeader, arrays: Sequence[np.ndarray], optimizer: Callable[[bytes, str], Optimizer | None]
-) -> list[InstalledVariable]:
-    """Rebuild the variables of a REPLICA_INSTALL; ``optimizer(blob, digest)`` unpickles (and caches)."""
-    it = iter(arrays)
-    out: list[InstalledVariable] = []
-    for e in header.installs:
-        value = next(it)
-        leaves = [next(it) for _ in e.state]
-        opt = optimizer(e.optimizer, e.optimizer_digest)
-        state = None
-        if opt is not None:
-            template_leaves, treedef = jax.tree.flatten(opt.init(value))
-            if len(template_leaves) != len(leaves):
-                raise InvalidRequestError(
-                    f"variable {e.name!r}: {len(leaves)} optimizer state leaves sent, its optimizer has {len(template_leaves)}"
-                )
-            state = jax.tree.unflatten(treedef, leaves)
-        out.append((e.name, value, opt, state, int(e.version)))
-    return out
 
 
 # --------------------------------------------------------------------- state
@@ -212,7 +121,7 @@ class Replication:
             # backup (full sync) or was deposed: it must not be acknowledged.
             raise NotPrimaryError(f"this PS became a {self.role} (epoch {self.epoch}) during the push")
         if self.backup:
-            self._deliver(*encode_update(updates, update_id, self.epoch))
+            self._deliver(*ps_wire.encode_replica_update(updates, update_id, self.epoch))
 
     def forward_install(self, names: Sequence[str]) -> None:
         """After creating/restoring ``names`` here: copy them to the backup."""
@@ -223,14 +132,12 @@ class Replication:
                 return
             with self.store.frozen(names) as snap:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
-                self._deliver(*encode_install(variables, self.epoch, self._optimizer_blob))
+                self._deliver(*ps_wire.encode_replica_install(variables, self.epoch, self._optimizer_blob))
 
     def forward_delete(self, names: Sequence[str]) -> None:
         with self._membership:
             if self.backup and names:
-                header = ps_pb2.ReplicaHeader(epoch=self.epoch, kind=ps_pb2.REPLICA_DELETE)
-                header.deletes.extend(names)
-                self._deliver(header, [])
+                self._deliver(ps_wire.encode_replica_delete(names, self.epoch), [])
 
     # ----------------------------------------------------------- coordinator
     def attach(self, address: str, epoch: int) -> tuple[int, int]:
@@ -247,7 +154,8 @@ class Replication:
                 return 0, 0
             with self.store.frozen() as snap:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
-                header, arrays = encode_install(variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
+                header, arrays = ps_wire.encode_replica_install(
+                    variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
                 self._send(address, header, arrays)  # errors go to the coordinator, which retries
                 self.backup = address  # still under every lock: no push falls between sync and forwarding
         logger.info("backup %s attached at epoch %d (%d variables)", address, epoch, len(variables))
@@ -275,11 +183,11 @@ class Replication:
         if header.kind == ps_pb2.REPLICA_UPDATE:
             self._from_primary.active = True
             try:
-                self.store.apply(decode_updates(header.push, iter(arrays)), header.push.update_id)
+                self.store.apply(ps_wire.decode_updates(header.push, iter(arrays)), header.push.update_id)
             finally:
                 self._from_primary.active = False
         elif header.kind == ps_pb2.REPLICA_INSTALL:
-            variables = decode_installs(header, arrays, optimizer)
+            variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
             if header.full_sync:
                 self.store.replace_all(variables, list(header.applied_ids))
             else:

@@ -9,7 +9,7 @@ from typing import Any
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.ps_server.client import PSClient
 from jaxdist.transport.credentials import Credentials
-from jaxdist.transport.rpc import PLAINTEXT
+from jaxdist.transport.credentials import PLAINTEXT
 
 __all__ = ["PSConnections"]
 

@@ -3,53 +3,51 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jaxdist.base.monitoring import counter
+from jaxdist.ps_server.backup import ROLE_CODES
+
+if TYPE_CHECKING:
+    from jaxdist.ps_server.servicer import ParameterServerServicer
 
 __all__ = ["PSCollector"]
 
 
 class PSCollector(Collector):
-    """PS counters, read from the servicer's ``stats`` and its store at scrape time."""
+    """PS counters, read from the servicer's counters, store and replication state at scrape time."""
 
-    def __init__(self, servicer: Any) -> None:
+    def __init__(self, servicer: ParameterServerServicer) -> None:
         self._servicer = servicer
 
     def collect(self) -> Iterator[Metric]:
         sv = self._servicer
-        stats = dict(sv.stats)
+        stats = sv.counters.snapshot()
         store = sv.store
-        yield counter("jaxdist_ps_bytes_pulled", "Bytes of variable values sent to pullers", stats.get("bytes_pulled", 0.0))
-        yield counter("jaxdist_ps_bytes_pushed", "Bytes of updates received in pushes", stats.get("bytes_pushed", 0.0))
-        yield counter("jaxdist_ps_pulls", "Pull calls served", stats.get("pulls", 0.0))
-        yield counter("jaxdist_ps_pushes", "Push calls received (creates and updates)", stats.get("pushes", 0.0))
+        yield counter("jaxdist_ps_bytes_pulled", "Bytes of variable values sent to pullers", stats["bytes_pulled"])
+        yield counter("jaxdist_ps_bytes_pushed", "Bytes of updates received in pushes", stats["bytes_pushed"])
+        yield counter("jaxdist_ps_pulls", "Pull calls served", stats["pulls"])
+        yield counter("jaxdist_ps_pushes", "Push calls received (creates and updates)", stats["pushes"])
         yield counter("jaxdist_ps_duplicates_dropped", "Pushes dropped because their update id was already applied",
-                       stats.get("duplicates", 0.0))
+                      stats["duplicates"])
         yield counter("jaxdist_ps_updates_applied", "Atomic pushes applied to the store (rate() = updates/s)",
-                       float(store.updates_applied))
+                      float(store.updates_applied))
         yield GaugeMetricFamily("jaxdist_ps_variables", "Variables (shards) held by this PS", value=float(len(store.info())))
-        r = getattr(sv, "replication", None)
-        if r is not None:
-            from jaxdist.ps_server.backup import ROLE_CODES
-
-            yield GaugeMetricFamily("jaxdist_ps_replica_role", "Replication role: 0 primary, 1 backup, 2 deposed",
-                                    value=ROLE_CODES[r.role])
-            yield GaugeMetricFamily("jaxdist_ps_replica_epoch", "Replication epoch of this task", value=float(r.epoch))
-            yield GaugeMetricFamily("jaxdist_ps_replica_has_backup", "1 while a backup is attached to this primary",
-                                    value=1.0 if r.backup else 0.0)
-            yield counter("jaxdist_ps_replica_forwarded", "Changes forwarded to the backup and acknowledged by it", float(r.forwarded))
-            yield counter("jaxdist_ps_replica_degraded", "Times the backup was lost and this primary went on alone",
-                           float(r.degraded_events))
-        per_var = getattr(sv, "variable_bytes", None)
-        if per_var is not None:
-            for direction in ("pulled", "pushed"):
-                fam = CounterMetricFamily(f"jaxdist_ps_variable_bytes_{direction}", f"Bytes {direction}, per variable",
-                                          labels=["variable"])
-                for (d, name), nbytes in list(per_var.items()):
-                    if d == direction:
-                        fam.add_metric([name], nbytes)
-                yield fam
+        r = sv.replication
+        yield GaugeMetricFamily("jaxdist_ps_replica_role", "Replication role: 0 primary, 1 backup, 2 deposed",
+                                value=ROLE_CODES[r.role])
+        yield GaugeMetricFamily("jaxdist_ps_replica_epoch", "Replication epoch of this task", value=float(r.epoch))
+        yield GaugeMetricFamily("jaxdist_ps_replica_has_backup", "1 while a backup is attached to this primary",
+                                value=1.0 if r.backup else 0.0)
+        yield counter("jaxdist_ps_replica_forwarded", "Changes forwarded to the backup and acknowledged by it", float(r.forwarded))
+        yield counter("jaxdist_ps_replica_degraded", "Times the backup was lost and this primary went on alone",
+                      float(r.degraded_events))
+        for direction in ("pulled", "pushed"):
+            fam = CounterMetricFamily(f"jaxdist_ps_variable_bytes_{direction}", f"Bytes {direction}, per variable",
+                                      labels=["variable"])
+            for name, nbytes in sv.counters.variable_bytes(direction).items():
+                fam.add_metric([name], nbytes)
+            yield fam

@@ -5,15 +5,16 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.transport import dataplane
-from jaxdist.transport import rpc
-from jaxdist.ps_server.servicer import SERVICE, ParameterServerServicer
-from jaxdist.transport.credentials import Credentials
-from jaxdist.ps_server.store import DEFAULT_MAX_VARIABLE_BYTES, VariableStore
 from jaxdist.base import task_process
+from jaxdist.ps_server.servicer import SERVICE, ParameterServerServicer
+from jaxdist.ps_server.store import DEFAULT_MAX_VARIABLE_BYTES, VariableStore
+from jaxdist.transport import dataplane
+from jaxdist.transport.channel import DEFAULT_MAX_MESSAGE_BYTES
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
 if TYPE_CHECKING:
     from jaxdist.base.monitoring import MetricsExporter
@@ -30,7 +31,7 @@ class ParameterServer(task_process.TaskServer):
     (default: no token, plaintext; loopback only), also used for the calls
     this PS makes to its backup. With ``metrics`` (a :class:`~jaxdist.base.monitoring.MetricsExporter`)
     the PS's counters and RPC latencies are registered in it (start it yourself).
-    ``data_port``: where the bulk data plane listens (0: a free port; None: no data
+    ``data_port``: where the data plane listens (0: a free port; None: no data
     plane); it serves TLS exactly when gRPC does.
     """
 
@@ -38,34 +39,35 @@ class ParameterServer(task_process.TaskServer):
         self,
         host: str = "127.0.0.1",
         port: int = 0,
-        credentials: Credentials = rpc.PLAINTEXT,
+        credentials: Credentials = PLAINTEXT,
         insecure: bool = False,
         task_index: int = 0,
         max_variable_bytes: int = DEFAULT_MAX_VARIABLE_BYTES,
-        max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         metrics: MetricsExporter | None = None,
         data_port: int | None = 0,
     ) -> None:
         self.store = VariableStore(max_variable_bytes=max_variable_bytes)
         super().__init__(SERVICE, ParameterServerServicer(self.store, task_index, credentials), _ps_collector,
                          host, port, credentials, insecure, metrics, max_message_bytes)
-        # The bulk data plane serves Pull/Push beside gRPC (see jaxdist.transport.dataplane), with
+        # The data plane serves Pull/Push beside gRPC (see jaxdist.transport.dataplane), with
         # the same TLS rules as gRPC when this PS serves TLS.
-        self.bulk: dataplane.BulkServer | None = None
+        self.data_plane: dataplane.DataPlaneServer | None = None
         if data_port is not None and dataplane.enabled():
-            self.bulk = dataplane.BulkServer(self.servicer.bulk_handlers(), host, data_port, credentials,
-                                             observe=lambda m, sec, failed: self.server.observe_call(f"{SERVICE}/{m}", sec, failed))
+            self.data_plane = dataplane.DataPlaneServer(
+                self.servicer.data_plane_handlers(), host, data_port, credentials,
+                observe=lambda m, sec, failed: self.server.observe_call(f"{SERVICE}/{m}", sec, failed))
 
     @property
     def data_port(self) -> int | None:
         """The bound data-plane port (after :meth:`start`), None without a data plane."""
-        return self.bulk.port if self.bulk is not None else None
+        return self.data_plane.port if self.data_plane is not None else None
 
     def start(self) -> int:
         port = super().start()
-        if self.bulk is not None:
+        if self.data_plane is not None:
             try:
-                self.servicer.data_port = self.bulk.start()
+                self.servicer.data_port = self.data_plane.start()
             except ConfigurationError:
                 self.server.stop(grace=None)
                 raise
@@ -73,10 +75,21 @@ class ParameterServer(task_process.TaskServer):
         return port
 
     def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting on both transports at once, then let calls in flight finish (``grace``).
+
+        The data plane drains beside gRPC, not after it: otherwise it would keep taking new
+        pushes for as long as a gRPC call in flight holds the drain open.
+        """
         self.servicer.data_port = 0
-        super().stop(grace)
-        if self.bulk is not None:
-            self.bulk.stop(grace)
+        if self.data_plane is None:
+            super().stop(grace)
+            return
+        dp = threading.Thread(target=self.data_plane.stop, args=(grace,), name="jaxdist-dataplane-stop")
+        dp.start()
+        try:
+            super().stop(grace)
+        finally:
+            dp.join()
 
 
 def _ps_collector(servicer: ParameterServerServicer) -> Any:
@@ -91,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-variable-mb", type=float, default=DEFAULT_MAX_VARIABLE_BYTES / 2**20,
                    help="largest variable (shard) this PS accepts, in MiB")
     p.add_argument("--data-port", type=int, default=0,
-                   help="TCP port of the bulk data plane for Pull/Push (0 picks a free one; it is announced in "
+                   help="TCP port of the data plane for Pull/Push (0 picks a free one; it is announced in "
                         "GetStatus, and clients that cannot reach it use gRPC; TLS when gRPC is); off with --no-data-plane")
     p.add_argument("--no-data-plane", action="store_true",
                    help=f"move tensors over gRPC only (also: {dataplane.ENV_DATA_PLANE}=0)")
@@ -118,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         return task_process.EXIT_CONFIG
 
     def report() -> str:
-        stats = dict(ps.servicer.stats)
+        stats = ps.servicer.counters.snapshot()
         return (f"pushes={stats['pushes']:.0f} updates_applied={ps.store.updates_applied} "
                 f"duplicates={stats['duplicates']:.0f} pulls={stats['pulls']:.0f} variables={len(ps.store.info())}")
 

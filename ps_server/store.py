@@ -18,7 +18,6 @@ Contract:
 
 from __future__ import annotations
 
-import enum
 import math
 import threading
 from collections import OrderedDict
@@ -38,35 +37,13 @@ from jaxdist.base.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
-from jaxdist.proto import codec
+from jaxdist.proto.ps_wire import SPARSE_OPS, IfExists, Op, Update, transfer_dtype
 from jaxdist.ps_server.optimizer import Optimizer
+
+__all__ = ["DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore"]
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_VARIABLE_BYTES = 8 << 30
-
-
-class Op(enum.Enum):
-    ASSIGN = "assign"
-    ASSIGN_ADD = "assign_add"
-    ASSIGN_SUB = "assign_sub"
-    APPLY_GRADIENT = "apply_gradient"
-    SCATTER_UPDATE = "scatter_update"
-    SCATTER_ADD = "scatter_add"
-    SCATTER_SUB = "scatter_sub"
-    SCATTER_MIN = "scatter_min"
-    SCATTER_MAX = "scatter_max"
-    SPARSE_APPLY_GRADIENT = "sparse_apply_gradient"
-
-
-SPARSE_OPS = frozenset(
-    {Op.SCATTER_UPDATE, Op.SCATTER_ADD, Op.SCATTER_SUB, Op.SCATTER_MIN, Op.SCATTER_MAX, Op.SPARSE_APPLY_GRADIENT}
-)
-
-
-def _is_narrow_gradient(op: Op, value_dtype: np.dtype, var_dtype: np.dtype) -> bool:
-    """A gradient pushed in a narrower float dtype than its (floating) variable: allowed, the
-    optimizer widens it (bf16 transfer)."""
-    return op in (Op.APPLY_GRADIENT, Op.SPARSE_APPLY_GRADIENT) and codec.is_narrower_float(value_dtype, var_dtype)
 
 
 _SCATTER_UFUNC: dict[Op, Callable[..., Any]] = {
@@ -75,22 +52,6 @@ _SCATTER_UFUNC: dict[Op, Callable[..., Any]] = {
     Op.SCATTER_MIN: np.minimum.at,
     Op.SCATTER_MAX: np.maximum.at,
 }
-
-
-class IfExists(enum.Enum):
-    FAIL = 0
-    KEEP = 1
-    REPLACE = 2
-
-
-@dataclass
-class Update:
-    """One entry of a push."""
-
-    name: str
-    op: Op
-    value: np.ndarray
-    indices: np.ndarray | None = None
 
 
 @dataclass
@@ -310,12 +271,12 @@ class VariableStore:
             InvalidRequestError: ``as_dtype`` is not a narrower float than the variable.
         """
         var = self._get(name)
-        narrow = as_dtype is not None and np.dtype(as_dtype) != var.dtype
-        if narrow and not codec.is_narrower_float(np.dtype(as_dtype), var.dtype):
+        out_dtype = var.dtype if as_dtype is None else np.dtype(as_dtype)
+        if transfer_dtype(var.dtype, None, out_dtype) != out_dtype:
             raise InvalidRequestError(
                 f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
-                f"not as {np.dtype(as_dtype)}")
-        out_dtype = np.dtype(as_dtype) if narrow else var.dtype
+                f"not as {out_dtype}")
+        narrow = out_dtype != var.dtype
         # Never yield while holding the lock: the caller streams for a while and may
         # open several reads at once (lock order would then be the caller's).
         with var.lock:
@@ -424,7 +385,7 @@ class VariableStore:
 
     def _validate(self, var: _Variable, upd: Update) -> np.ndarray | None:
         value = upd.value
-        if value.dtype != var.dtype and not _is_narrow_gradient(upd.op, value.dtype, var.dtype):
+        if transfer_dtype(var.dtype, upd.op, value.dtype) != value.dtype:  # the client's rule, checked
             raise DTypeMismatchError(f"variable {var.name!r} is {var.dtype}; the pushed value is {value.dtype}")
         if upd.op in SPARSE_OPS:
             if upd.indices is None:

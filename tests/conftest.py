@@ -33,18 +33,18 @@ def ps_server() -> Iterator[object]:
 
 @pytest.fixture(params=["data_plane", "data_plane_tcp", "grpc"])
 def ps_client(ps_server: object, request: pytest.FixtureRequest) -> Iterator[object]:
-    """A client of ``ps_server``, moving tensors over the bulk data plane (through shared
+    """A client of ``ps_server``, moving tensors over the data plane (through shared
     memory where this host has it, then over its socket only), and over gRPC."""
-    from jaxdist.transport import dataplane as bulk_mod
+    from jaxdist.transport import dataplane
     from jaxdist.ps_server.client import PSClient
 
-    bulk = request.param != "grpc"
+    over_data_plane = request.param != "grpc"
     shm = request.param == "data_plane"
-    c = PSClient(ps_server.address, CREDS, task="ps:0", data_plane=bulk, shared_memory=shm)  # type: ignore[attr-defined]
+    c = PSClient(ps_server.address, CREDS, task="ps:0", data_plane=over_data_plane, shared_memory=shm)  # type: ignore[attr-defined]
     yield c
-    assert c.uses_data_plane in ((True, None) if bulk else (False,))
+    assert c.uses_data_plane in ((True, None) if over_data_plane else (False,))
     if c.uses_data_plane:
-        assert c.uses_shared_memory == (shm and bulk_mod.shm_enabled())
+        assert c.uses_shared_memory == (shm and dataplane.shm_enabled())
     c.close()
 
 

@@ -1,8 +1,17 @@
 """jaxdist.transport: how bytes move between tasks.
 
-gRPC servers and channels (auth, health, deadlines, TLS) in
-:mod:`jaxdist.transport.rpc`, and the PS bulk data plane (Pull/Push over plain
-TCP or same-host shared memory) in :mod:`jaxdist.transport.dataplane`. It may
-import only :mod:`jaxdist.proto` and :mod:`jaxdist.base.errors`; see the
+- gRPC: channels (:mod:`~jaxdist.transport.channel`), servers with auth, health
+  and metrics (:mod:`~jaxdist.transport.server`), raw-bytes method handlers
+  (:mod:`~jaxdist.transport.handlers`); :mod:`~jaxdist.transport.rpc` re-exports
+  the three.
+- :mod:`~jaxdist.transport.guard`: the one mapping of a handler's exception to
+  the status its caller gets, for gRPC and the data plane alike.
+- :mod:`~jaxdist.transport.client`: :class:`~jaxdist.transport.client.ServiceClient`,
+  the base of every client (token, deadline, typed errors).
+- :mod:`~jaxdist.transport.credentials`: the token and TLS material.
+- :mod:`~jaxdist.transport.dataplane`: the PS data plane (Pull/Push over plain
+  TCP or same-host shared memory).
+
+It may import only :mod:`jaxdist.proto` and :mod:`jaxdist.base.errors`; see the
 README's Layout.
 """

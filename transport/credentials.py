@@ -36,6 +36,7 @@ __all__ = [
     "ENV_TLS_KEY",
     "ENV_TLS_SERVER_NAME",
     "ENV_TOKEN",
+    "PLAINTEXT",
     "TLSConfig",
 ]
 
@@ -172,7 +173,7 @@ class Credentials:
 
     ``Credentials()`` is plaintext without a token: a client with it is
     refused by any server that has a token, and a server with it refuses to
-    bind a non-loopback address (see :class:`jaxdist.transport.rpc.Server`).
+    bind a non-loopback address (see :class:`jaxdist.transport.server.Server`).
     """
 
     token: str | None = None
@@ -204,3 +205,7 @@ class Credentials:
 
     def __repr__(self) -> str:  # never print the token
         return f"Credentials(token={'set' if self.token else None}, tls={self.tls!r})"
+
+
+#: No token, no TLS: what tests on loopback use (a server with it refuses non-loopback binds).
+PLAINTEXT = Credentials()

@@ -14,17 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+
 from jaxdist.base.errors import JaxdistError
 from jaxdist.proto import coordinator_pb2
-from jaxdist.proto.status import error_from_rpc
-from jaxdist.transport import rpc
-from jaxdist.transport.credentials import Credentials
+from jaxdist.transport.client import ServiceClient
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
 __all__ = ["SERVICE", "CoordinatorClient"]
 
 #: The gRPC service name (``proto/coordinator.proto``).
 SERVICE = "jaxdist.Coordinator"
-_SVC = f"/{SERVICE}/"
 
 #: Seconds a joining worker waits for the coordinator (it may still be starting).
 DEFAULT_REGISTER_TIMEOUT = 30.0
@@ -32,29 +31,17 @@ DEFAULT_REGISTER_TIMEOUT = 30.0
 DEFAULT_DEREGISTER_TIMEOUT = 5.0
 
 
-class CoordinatorClient:
+class CoordinatorClient(ServiceClient):
     """Client of one coordinator's registration service. Thread-safe; ``close()`` when done."""
 
-    def __init__(self, address: str, credentials: Credentials = rpc.PLAINTEXT, task: str = "coordinator") -> None:
-        self.address = address
-        self.task = task
-        self._channel = rpc.make_channel(address, credentials)
-        self._md = credentials.metadata
+    SERVICE = SERVICE
+    ROLE = "coordinator"
+
+    def __init__(self, address: str, credentials: Credentials = PLAINTEXT, task: str = "coordinator") -> None:
+        super().__init__(address, credentials, task)
         req, resp = coordinator_pb2.RegisterWorkerRequest, coordinator_pb2.RegisterWorkerResponse
-        self._register = rpc.unary_method(self._channel, _SVC + "RegisterWorker", req, resp)
-        self._deregister = rpc.unary_method(self._channel, _SVC + "DeregisterWorker", req, resp)
-
-    def close(self) -> None:
-        self._channel.close()
-
-    def __enter__(self) -> CoordinatorClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _error(self, e: grpc.RpcError) -> JaxdistError:
-        return error_from_rpc(e, self.task, "coordinator")
+        self._register = self._unary("RegisterWorker", req, resp)
+        self._deregister = self._unary("DeregisterWorker", req, resp)
 
     def register(self, worker_address: str, timeout: float = DEFAULT_REGISTER_TIMEOUT) -> int:
         """Join the job as the worker serving at ``worker_address``; returns its worker index.
@@ -63,11 +50,7 @@ class CoordinatorClient:
         Registering an address that is already active returns its index.
         """
         request = coordinator_pb2.RegisterWorkerRequest(address=worker_address)
-        try:
-            resp = self._register(request, metadata=self._md, timeout=timeout, wait_for_ready=True)
-        except grpc.RpcError as e:
-            raise self._error(e) from None
-        return int(resp.worker_index)
+        return int(self._call(self._register, request, timeout, wait_for_ready=True).worker_index)
 
     def deregister(self, worker_address: str, timeout: float = DEFAULT_DEREGISTER_TIMEOUT) -> int:
         """Leave the job; the worker's running closures go elsewhere. Returns the index it had.
@@ -77,22 +60,18 @@ class CoordinatorClient:
             TaskUnavailableError: the coordinator is gone.
         """
         request = coordinator_pb2.RegisterWorkerRequest(address=worker_address)
-        try:
-            resp = self._deregister(request, metadata=self._md, timeout=timeout)
-        except grpc.RpcError as e:
-            raise self._error(e) from None
-        return int(resp.worker_index)
+        return int(self._call(self._deregister, request, timeout).worker_index)
 
     def register_many(self, worker_addresses: Sequence[str], timeout: float = DEFAULT_REGISTER_TIMEOUT) -> list[int | JaxdistError]:
         """Register several workers at once (concurrent calls on this channel, waiting up to
         ``timeout`` for the coordinator); one result per address, in order: its index or its error."""
-        calls = [self._register.future(coordinator_pb2.RegisterWorkerRequest(address=a), metadata=self._md, timeout=timeout,
-                                       wait_for_ready=True) for a in worker_addresses]
+        calls = [self._future(self._register, coordinator_pb2.RegisterWorkerRequest(address=a), timeout, wait_for_ready=True)
+                 for a in worker_addresses]
         return self._results(calls)
 
     def deregister_many(self, worker_addresses: Sequence[str], timeout: float = DEFAULT_DEREGISTER_TIMEOUT) -> list[int | JaxdistError]:
         """Deregister several workers at once; one result per address, in order: its index or its error."""
-        calls = [self._deregister.future(coordinator_pb2.RegisterWorkerRequest(address=a), metadata=self._md, timeout=timeout)
+        calls = [self._future(self._deregister, coordinator_pb2.RegisterWorkerRequest(address=a), timeout)
                  for a in worker_addresses]
         return self._results(calls)
 
@@ -102,5 +81,5 @@ class CoordinatorClient:
             try:
                 out.append(int(call.result().worker_index))
             except grpc.RpcError as e:
-                out.append(self._error(e))
+                out.append(self.error(e))
         return out

@@ -37,8 +37,8 @@ from typing import Any, TypedDict
 import grpc
 
 from jaxdist.base import errors as E
-from jaxdist.proto import status
 from jaxdist.transport import rpc
+from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.credentials import Credentials
 
 logger = logging.getLogger(__name__)
@@ -414,7 +414,7 @@ class CoordinationService:
 # -- client ------------------------------------------------------------------------------------
 
 
-class CoordinationClient:
+class CoordinationClient(ServiceClient):
     """Typed client of the coordination service in process 0.
 
     Args:
@@ -423,28 +423,21 @@ class CoordinationClient:
         server_task: the task hosting the service (for error messages), e.g. ``"worker:0"``.
     """
 
-    def __init__(self, address: str, credentials: Credentials, server_task: str) -> None:
-        self.address = address
-        self._task = server_task
-        self._channel = rpc.make_channel(address, credentials)
-        self._metadata = credentials.metadata
-        self._calls = {
-            m: self._channel.unary_unary(f"/{SERVICE}/{m}") for m in ("Register", "WaitAll", "Heartbeat", "Leave")
-        }
+    SERVICE = SERVICE
+    ROLE = "worker"
 
-    def _call(self, method: str, request: dict[str, Any], timeout: float, wait_for_ready: bool = False) -> Any:
-        try:
-            raw = self._calls[method](
-                json.dumps(request).encode(), timeout=timeout, metadata=self._metadata, wait_for_ready=wait_for_ready
-            )
-        except grpc.RpcError as e:
-            raise status.error_from_rpc(e, task=self._task, role="worker") from None
+    def __init__(self, address: str, credentials: Credentials, server_task: str) -> None:
+        super().__init__(address, credentials, server_task)
+        self._calls = {m: self.channel.unary_unary(self._path(m)) for m in ("Register", "WaitAll", "Heartbeat", "Leave")}
+
+    def _json_call(self, method: str, request: dict[str, Any], timeout: float, wait_for_ready: bool = False) -> Any:
+        raw = self._call(self._calls[method], json.dumps(request).encode(), timeout, wait_for_ready=wait_for_ready)
         return json.loads(raw.decode())
 
     @property
     def server_task(self) -> str:
         """The task hosting the service, e.g. ``"worker:0"``."""
-        return self._task
+        return self.task
 
     def register(self, rank: int, task: str, incarnation: str, timeout: float) -> RegisterResponse:
         """Register, waiting up to ``timeout`` seconds for the service to come up."""
@@ -452,7 +445,7 @@ class CoordinationClient:
         while True:
             left = deadline - time.monotonic()
             try:
-                return self._call(
+                return self._json_call(
                     "Register",
                     {"rank": rank, "task": task, "incarnation": incarnation},
                     timeout=max(0.1, min(left, 5.0)),
@@ -461,9 +454,9 @@ class CoordinationClient:
             except E.TaskUnavailableError as e:
                 if time.monotonic() >= deadline:
                     raise PeerFailedError(
-                        f"the coordination service of {self._task} at {self.address} did not answer within "
-                        f"{timeout:.0f}s ({e}); is {self._task} running?",
-                        task=self._task,
+                        f"the coordination service of {self.task} at {self.address} did not answer within "
+                        f"{timeout:.0f}s ({e}); is {self.task} running?",
+                        task=self.task,
                         rank=0,
                     ) from None
 
@@ -477,7 +470,7 @@ class CoordinationClient:
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
-            resp: WaitAllResponse = self._call(
+            resp: WaitAllResponse = self._json_call(
                 "WaitAll", {"rank": rank, "timeout_s": max(0.0, min(left, _WAIT_POLL_S))}, timeout=_WAIT_POLL_S + 5.0
             )
             if resp["failures"]:
@@ -492,14 +485,11 @@ class CoordinationClient:
                 )
 
     def heartbeat(self, rank: int, incarnation: str, timeout: float) -> list[Failure]:
-        resp: HeartbeatResponse = self._call("Heartbeat", {"rank": rank, "incarnation": incarnation}, timeout=timeout)
+        resp: HeartbeatResponse = self._json_call("Heartbeat", {"rank": rank, "incarnation": incarnation}, timeout=timeout)
         return [Failure.from_message(m) for m in resp["failures"]]
 
     def leave(self, rank: int, timeout: float = 2.0) -> None:
-        self._call("Leave", {"rank": rank}, timeout=timeout)
-
-    def close(self) -> None:
-        self._channel.close()
+        self._json_call("Leave", {"rank": rank}, timeout=timeout)
 
 
 class HeartbeatSender:

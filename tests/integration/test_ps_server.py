@@ -22,9 +22,10 @@ from jaxdist.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto import ps_pb2
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import make_channel
 from jaxdist.proto.status import REASON_KEY
-from jaxdist.ps_server.client import CreateSpec, PSClient, PullSpec, PushSpec
+from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
+from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.server import ParameterServer
 
 from jaxdist.transport.credentials import Credentials
@@ -38,7 +39,7 @@ def test_create_pull_push_roundtrip(ps_client: PSClient) -> None:
     ps_client.create([CreateSpec("big", value=big), CreateSpec("w", value=np.ones((2, 3), np.float32), optimizer=optax.sgd(0.5))])
     ((got, ver),) = ps_client.pull([PullSpec("big")])
     assert ver == 1 and np.array_equal(got, big)
-    versions, dup = ps_client.push([PushSpec("big", "assign_add", big), PushSpec("w", "apply_gradient", np.ones((2, 3), np.float32))])
+    versions, dup = ps_client.push([Update("big", Op.ASSIGN_ADD, big), Update("w", Op.APPLY_GRADIENT, np.ones((2, 3), np.float32))])
     assert versions == [2, 2] and not dup
     (b2, _), (w2, _) = ps_client.pull([PullSpec("big"), PullSpec("w")])
     assert np.array_equal(b2, 2 * big) and np.allclose(w2, 0.5)
@@ -61,7 +62,7 @@ def test_concurrent_pushes_from_many_clients(ps_server: ParameterServer) -> None
 
     def work(c: PSClient) -> None:
         for _ in range(40):
-            c.push([PushSpec("c", "assign_add", np.ones(10_000, np.float32))])
+            c.push([Update("c", Op.ASSIGN_ADD, np.ones(10_000, np.float32))])
 
     threads = [threading.Thread(target=work, args=(c,)) for c in clients]
     for t in threads:
@@ -83,13 +84,13 @@ def _assert_still_serving(c: PSClient) -> None:
     "bad, exc, code",
     [
         (lambda c: c.pull([PullSpec("nope")]), VariableNotFoundError, grpc.StatusCode.NOT_FOUND),
-        (lambda c: c.push([PushSpec("v", "assign", np.ones((3, 3), np.float32))]), ShapeMismatchError, grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda c: c.push([PushSpec("v", "assign", np.ones((2, 2), np.int32))]), DTypeMismatchError, grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda c: c.push([PushSpec("nope", "assign", np.ones(1, np.float32))]), VariableNotFoundError, grpc.StatusCode.NOT_FOUND),
+        (lambda c: c.push([Update("v", Op.ASSIGN, np.ones((3, 3), np.float32))]), ShapeMismatchError, grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda c: c.push([Update("v", Op.ASSIGN, np.ones((2, 2), np.int32))]), DTypeMismatchError, grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda c: c.push([Update("nope", Op.ASSIGN, np.ones(1, np.float32))]), VariableNotFoundError, grpc.StatusCode.NOT_FOUND),
         (lambda c: c.create([CreateSpec("v", value=np.ones(1, np.float32))]), VariableExistsError, grpc.StatusCode.ALREADY_EXISTS),
         (lambda c: c.create([CreateSpec("huge", value=np.zeros(20 << 20, np.float32))]), PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
         (lambda c: c.pull([PullSpec("v", indices=np.array([7]))]), InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
-        (lambda c: c.push([PushSpec("v", "apply_gradient", np.ones((2, 2), np.float32))]), InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
+        (lambda c: c.push([Update("v", Op.APPLY_GRADIENT, np.ones((2, 2), np.float32))]), InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     ],
     ids=["pull-unknown", "shape", "dtype", "push-unknown", "exists", "oversized", "index-range", "no-optimizer"],
 )
@@ -104,7 +105,7 @@ def test_bad_input_gets_typed_error_and_server_keeps_serving(ps_client: PSClient
 
 
 def _raw_channel(ps_server: ParameterServer) -> grpc.Channel:
-    return rpc.make_channel(ps_server.address)
+    return make_channel(ps_server.address)
 
 
 def test_garbage_bytes_and_truncated_streams(ps_server: ParameterServer, ps_client: PSClient) -> None:
@@ -136,7 +137,7 @@ def test_garbage_bytes_and_truncated_streams(ps_server: ParameterServer, ps_clie
 
 
 def test_oversized_message_is_resource_exhausted() -> None:
-    with ParameterServer(credentials=CREDS, max_message_bytes=1 << 20) as ps, rpc.make_channel(ps.address) as ch:
+    with ParameterServer(credentials=CREDS, max_message_bytes=1 << 20) as ps, make_channel(ps.address) as ch:
         lst = ch.unary_unary("/jaxdist.ParameterServer/ListVariables")
         with pytest.raises(grpc.RpcError) as info:
             lst(b"\0" * (2 << 20), metadata=CREDS.metadata, timeout=5)
@@ -151,7 +152,7 @@ def test_unauthenticated_calls_are_rejected_and_do_nothing(ps_server: ParameterS
     for token in (None, "wrong"):
         bad = PSClient(ps_server.address, Credentials(token))
         with pytest.raises(AuthenticationError) as info:
-            bad.push([PushSpec("v", "assign", np.ones(2, np.float32))])
+            bad.push([Update("v", Op.ASSIGN, np.ones(2, np.float32))])
         assert info.value.grpc_code == grpc.StatusCode.UNAUTHENTICATED  # type: ignore[attr-defined]
         with pytest.raises(AuthenticationError):
             bad.pull([PullSpec("v")])

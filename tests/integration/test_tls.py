@@ -94,7 +94,7 @@ def test_clients_without_a_valid_certificate_are_rejected(
     tls = _bad_tls(pki, kind)
     with _client(tls_ps.address, tls) as c, pytest.raises(PSUnavailableError):
         c.status(timeout=5)
-    assert tls_ps.servicer.stats["pulls"] == 0 and tls_ps.servicer.stats["pushes"] == 0
+    assert tls_ps.servicer.counters.snapshot()["pulls"] == 0 and tls_ps.servicer.counters.snapshot()["pushes"] == 0
 
 
 def test_client_refuses_a_server_from_another_ca(pki: tuple[certs.CertPaths, certs.CertPaths]) -> None:
@@ -202,22 +202,22 @@ def test_data_plane_over_tls_moves_tensors_exactly(
     tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths], shm: bool
 ) -> None:
     from jaxdist.transport import dataplane
-    from jaxdist.ps_server.client import PushSpec
+    from jaxdist.proto.ps_wire import Op, Update
 
     big = np.random.default_rng(0).standard_normal((1000, 700)).astype(np.float32)  # 2.8 MB: several records/slots
     with _client(tls_ps.address, pki[0].client_tls(), shared_memory=shm) as c:
         c.create([CreateSpec("big", value=big)])
-        c.push([PushSpec("big", "assign_add", big)])
+        c.push([Update("big", Op.ASSIGN_ADD, big)])
         ((got, version),) = c.pull([PullSpec("big")])
         assert version == 2 and np.array_equal(got, 2 * big)
         assert c.uses_data_plane is True and c.uses_shared_memory == (shm and dataplane.shm_enabled())
-    assert tls_ps.servicer.stats["pulls"] >= 1
+    assert tls_ps.servicer.counters.snapshot()["pulls"] >= 1
 
 
-def _bulk_client(ps: ParameterServer, tls: TLSConfig | None, token: str = TOKEN) -> object:
+def _data_plane_client(ps: ParameterServer, tls: TLSConfig | None, token: str = TOKEN) -> object:
     from jaxdist.transport import dataplane
 
-    return dataplane.BulkClient("127.0.0.1", ps.data_port, Credentials(token, tls))  # type: ignore[arg-type]
+    return dataplane.DataPlaneClient("127.0.0.1", ps.data_port, Credentials(token, tls))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind", BAD_CLIENTS)
@@ -229,9 +229,9 @@ def test_data_port_rejects_clients_without_a_valid_certificate(
     from jaxdist.transport import dataplane
 
     ours = pki[0]
-    c = _bulk_client(tls_ps, _bad_tls(pki, kind))
+    c = _data_plane_client(tls_ps, _bad_tls(pki, kind))
     try:
-        with pytest.raises(dataplane.BulkError) as e:
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"", (), timeout=5)  # type: ignore[attr-defined]
         assert e.value.code == grpc.StatusCode.UNAVAILABLE and not e.value.connected
     finally:
@@ -240,7 +240,7 @@ def test_data_port_rejects_clients_without_a_valid_certificate(
     with _client(tls_ps.address, ours.client_tls()) as good:
         good.create([CreateSpec("v", value=np.ones(3, np.float32), if_exists="keep")])
         assert good.pull([PullSpec("v")])[0][0].tolist() == [1.0, 1.0, 1.0] and good.uses_data_plane is True
-    assert tls_ps.servicer.stats["pulls"] == 1
+    assert tls_ps.servicer.counters.snapshot()["pulls"] == 1
 
 
 def test_data_plane_over_tls_still_checks_the_token(tls_ps: ParameterServer, pki: tuple[certs.CertPaths, certs.CertPaths]) -> None:
@@ -248,9 +248,9 @@ def test_data_plane_over_tls_still_checks_the_token(tls_ps: ParameterServer, pki
 
     from jaxdist.transport import dataplane
 
-    c = _bulk_client(tls_ps, pki[0].client_tls(), token="wrong-token")
+    c = _data_plane_client(tls_ps, pki[0].client_tls(), token="wrong-token")
     try:
-        with pytest.raises(dataplane.BulkError) as e:
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"", (), timeout=5)  # type: ignore[attr-defined]
         assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
     finally:

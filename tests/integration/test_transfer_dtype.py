@@ -12,8 +12,9 @@ import pytest
 import jaxdist
 from jaxdist.errors import DTypeMismatchError
 from jaxdist.ps_server.optimizer import Optimizer
-from jaxdist.ps_server.store import Op, Update, VariableStore
-from jaxdist.variables import gradient_array
+from jaxdist.proto.ps_wire import Op, Update
+from jaxdist.ps_server.store import VariableStore
+from jaxdist.proto.ps_wire import GRADIENT_OPS, NARROW_FLOATS, transfer_dtype, wire_value
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -37,15 +38,35 @@ def test_store_widens_narrow_gradients_and_rejects_them_elsewhere() -> None:
 
 
 @pytest.mark.timeout(30)
-def test_gradient_array_casts_only_what_it_should() -> None:
-    f32 = np.dtype(np.float32)
-    assert gradient_array(np.ones(3, np.float64), f32).dtype == f32
-    assert gradient_array([1.0, 2.0], f32, BF16).dtype == BF16  # plain Python values too
-    assert gradient_array(np.ones(3, np.float32), f32, BF16).dtype == BF16
-    assert gradient_array(jnp.ones(3, jnp.float32), f32, BF16).dtype == BF16  # cast by XLA
-    assert gradient_array(np.ones(3, BF16), f32).dtype == BF16  # already narrow: travels as is
-    assert gradient_array(np.ones(3, np.int32), np.dtype(np.int32), BF16).dtype == np.int32  # not a float variable
-    assert gradient_array(np.ones(3, np.float16), np.dtype(np.float16), BF16).dtype == np.float16  # not wider
+def test_wire_value_casts_only_what_it_should() -> None:
+    f32, grad = np.dtype(np.float32), Op.APPLY_GRADIENT
+    assert wire_value(np.ones(3, np.float64), f32, grad).dtype == f32
+    assert wire_value([1.0, 2.0], f32, grad, BF16).dtype == BF16  # plain Python values too
+    assert wire_value(np.ones(3, np.float32), f32, grad, BF16).dtype == BF16
+    assert wire_value(jnp.ones(3, jnp.float32), f32, grad, BF16).dtype == BF16  # cast by XLA
+    assert wire_value(np.ones(3, BF16), f32, grad).dtype == BF16  # already narrow: travels as is
+    assert wire_value(np.ones(3, np.int32), np.dtype(np.int32), grad, BF16).dtype == np.int32  # not a float variable
+    assert wire_value(np.ones(3, np.float16), np.dtype(np.float16), grad, BF16).dtype == np.float16  # not wider
+    assert wire_value(np.ones(3, BF16), f32, Op.ASSIGN).dtype == f32  # only gradients (and pulls) travel narrow
+    assert wire_value(np.ones(3, BF16), f32, Op.SPARSE_APPLY_GRADIENT).dtype == BF16
+    keep = np.ones(3, np.float32)
+    assert wire_value(keep, f32, Op.ASSIGN_ADD) is keep  # already in its transfer dtype: no copy
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("op", list(Op) + [None])
+@pytest.mark.parametrize("var", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int32])
+@pytest.mark.parametrize("offered", [np.float32, np.float64, np.float16, ml_dtypes.bfloat16, np.int16, np.int32])
+def test_one_rule_decides_what_clients_send_and_the_ps_accepts(op: Op | None, var: object, offered: object) -> None:
+    """What a client sends (the value's dtype offered) is what the PS accepts: never a
+    DTypeMismatchError for what a client made, and a narrow dtype only where the rule allows it."""
+    var_dt, off = np.dtype(var), np.dtype(offered)
+    sent = transfer_dtype(var_dt, op, off)
+    assert transfer_dtype(var_dt, op, sent) == sent  # the PS accepts what the client sends
+    if sent != var_dt:
+        assert (op is None or op in GRADIENT_OPS) and sent in NARROW_FLOATS and var_dt.itemsize > sent.itemsize
+    if op is not None and op not in GRADIENT_OPS:
+        assert sent == var_dt
 
 
 @pytest.mark.timeout(180)
@@ -154,3 +175,33 @@ def test_narrow_pull_over_both_transports(ps_client: object) -> None:
     assert np.array_equal(rows, x[[7, 1]].astype(np.float16))
     with pytest.raises(InvalidRequestError):
         ps_client.pull([PullSpec("x", as_dtype=np.int8)])  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(120)
+def test_apply_gradient_method_sends_bf16_like_apply_gradients() -> None:
+    """``v.apply_gradient(bf16)`` used to cast the gradient up to float32 before sending it; it now
+    sends what ``apply_gradients(v, bf16)`` sends: half the bytes, the same update on the PS."""
+    from jaxdist.testing import InProcessCluster
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            init = np.linspace(-1, 1, 64 * 32, dtype=np.float32).reshape(64, 32)
+            with strategy.scope():
+                by_method = jaxdist.create_variable(init, name="by_method", optimizer=optax.sgd(0.1))
+                by_tree = jaxdist.create_variable(init, name="by_tree", optimizer=optax.sgd(0.1))
+            g = np.random.default_rng(3).normal(size=(64, 32)).astype(BF16)
+            counters = cluster.ps(0).servicer.counters
+
+            def pushed() -> float:
+                return counters.snapshot()["bytes_pushed"]
+
+            before = pushed()
+            by_method.apply_gradient(g)
+            mid = pushed()
+            jaxdist.apply_gradients(by_tree, g)
+            after = pushed()
+            assert mid - before == after - mid == g.nbytes  # bf16 on the wire both ways
+            np.testing.assert_array_equal(by_method.numpy(), by_tree.numpy())
+        finally:
+            strategy.close()

@@ -18,7 +18,8 @@ from conftest import CREDS, TOKEN, poll_for
 
 import jaxdist
 from jaxdist.errors import PSUnavailableError
-from jaxdist.ps_server.client import CreateSpec, PSClient, PushSpec
+from jaxdist.proto.ps_wire import CreateSpec, Op, Update
+from jaxdist.ps_server.client import PSClient
 from jaxdist.base.task_process import ENV_PARENT_PID
 
 pytestmark = [pytest.mark.multiprocess]
@@ -45,8 +46,9 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
             ones = np.ones(1 << 20, np.float32)  # 4 MiB per variable: each push is several frames
             acked: list[list[int]] = []
 
-            def push(client: PSClient, uid: str) -> list[int]:
-                versions, dup = client.push([PushSpec("a", "assign_add", ones), PushSpec("b", "assign_add", ones)], update_id=uid)
+            def push(client: PSClient, uid: str, timeout: float | None = None) -> list[int]:
+                versions, dup = client.push([Update("a", Op.ASSIGN_ADD, ones), Update("b", Op.ASSIGN_ADD, ones)],
+                                            update_id=uid, timeout=timeout)
                 assert not dup
                 return versions
 
@@ -54,28 +56,34 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
                 acked.append(push(c, f"warm-{i}"))
 
             # A push whose stream is open when SIGTERM arrives: header and the first frames now, the rest later.
+            # Over gRPC (its frames are what the gate holds back; the data plane would send it whole).
             gate = threading.Event()
-            slow_client = PSClient(address, CREDS, task="ps:0")
-            plain_stream = slow_client._stream
+            slow_client = PSClient(address, CREDS, task="ps:0", data_plane=False)
+            plain_stream = slow_client._frames
+
+            holding = threading.Event()
 
             def gated(header: Any, arrays: list[np.ndarray]) -> Iterator[bytes]:
                 frames = plain_stream(header, arrays)
                 yield next(frames)
                 yield next(frames)
+                holding.set()  # gRPC asked for the third frame: the first two are sent
                 gate.wait(30)
                 yield from frames
 
-            slow_client._stream = gated  # type: ignore[method-assign]
+            slow_client._frames = gated  # type: ignore[method-assign]
             slow: dict[str, Any] = {}
 
             def run_slow() -> None:
                 try:
-                    slow["versions"] = push(slow_client, "slow")
+                    # Its stream stays open on purpose for as long as the test needs: no deadline race.
+                    slow["versions"] = push(slow_client, "slow", timeout=110)
                 except Exception as e:  # noqa: BLE001 - reported by the assertion below
                     slow["error"] = e
 
             slow_thread = threading.Thread(target=run_slow)
             slow_thread.start()
+            poll_for(holding.is_set, 30, what="the slow push to have sent its first frames")
             acked.append(push(c, "after-slow-started"))  # the PS serves others while that stream waits
 
             # A client pushing back-to-back through the signal: every push is acknowledged or refused.
@@ -109,6 +117,8 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
     # Atomic: every acknowledged push moved both variables together, one version each, in order.
     assert all(a == b for a, b in acked), acked
     first = min(a for a, _ in acked)

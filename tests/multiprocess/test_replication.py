@@ -11,11 +11,12 @@ import pytest
 
 import jaxdist
 from jaxdist.errors import NotPrimaryError, PSUnavailableError, StaleEpochError
-from jaxdist.proto import codec, ps_pb2
-from jaxdist.ps_server.client import PSClient, PullSpec, PushSpec
+from jaxdist.proto import codec, ps_pb2, ps_wire
+from jaxdist.proto.ps_wire import Op, PullSpec, Update
+from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.backup import Replication
-from jaxdist.ps_server.store import Op, Update, VariableStore
+from jaxdist.ps_server.store import VariableStore
 
 from jaxdist.testing import poll_for
 
@@ -38,10 +39,8 @@ class _Pair:
             raise PSUnavailableError(f"{address} is down")
         # Through the real encoding: bytes out, FrameReader back in.
         frames = list(codec.iter_frames(arrays))
-        from jaxdist.ps_server.backup import payload_specs
-
         header = ps_pb2.ReplicaHeader.FromString(header.SerializeToString())
-        reader = codec.FrameReader(payload_specs(header, 1 << 30))
+        reader = codec.FrameReader(ps_wire.replica_payload_specs(header, 1 << 30))
         for f in frames:
             reader.feed(f)
         self.reps[address].accept(header, reader.finish(), self._optimizer)
@@ -129,14 +128,14 @@ def test_backup_refuses_clients_and_stale_replication_over_grpc() -> None:
                 backup.pull([PullSpec("v")])
             assert e.value.grpc_code == grpc.StatusCode.UNAVAILABLE
             with pytest.raises(NotPrimaryError):
-                backup.push([PushSpec("v", "assign", np.zeros(4, np.float32))])
+                backup.push([Update("v", Op.ASSIGN, np.zeros(4, np.float32))])
             st = backup.status()
             assert st.counters["replica_role"] == 1.0 and st.counters["updates_applied"] >= 1
             with pytest.raises(StaleEpochError) as e2:
                 backup.replicate(ps_pb2.ReplicaHeader(epoch=0, kind=ps_pb2.REPLICA_DELETE), [])
             assert e2.value.grpc_code == grpc.StatusCode.FAILED_PRECONDITION
             with pytest.raises(grpc.RpcError) as e3:  # a garbage header: INVALID_ARGUMENT, and the server lives
-                backup._replicate(iter([b"\xff\xff\xff"]), metadata=backup._md, timeout=5)
+                backup._replicate(iter([b"\xff\xff\xff"]), metadata=backup.credentials.metadata, timeout=5)
             assert e3.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert backup.status().counters["replica_role"] == 1.0
         assert strategy.replicas is not None
@@ -162,7 +161,7 @@ def test_counter_is_exact_despite_sigkill_of_primaries() -> None:
 
         def add() -> None:
             time.sleep(0.01)
-            jaxdist.variables.push_updates([(c0, "assign_add", np.ones((), np.int64), None), (c1, "assign_add", np.ones((), np.int64), None)])
+            jaxdist.variables.push_updates([(c0, Op.ASSIGN_ADD, np.ones((), np.int64), None), (c1, Op.ASSIGN_ADD, np.ones((), np.int64), None)])
 
         rvs = [coord.schedule(add) for _ in range(n)]
 

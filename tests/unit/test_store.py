@@ -16,7 +16,8 @@ from jaxdist.errors import (
     VariableNotFoundError,
 )
 from jaxdist.ps_server.optimizer import Optimizer
-from jaxdist.ps_server.store import IfExists, Op, Update, VariableStore
+from jaxdist.proto.ps_wire import IfExists, Op, Update
+from jaxdist.ps_server.store import VariableStore
 
 pytestmark = pytest.mark.timeout(120)
 

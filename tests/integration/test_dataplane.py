@@ -1,4 +1,4 @@
-"""The bulk data plane (jaxdist.transport.dataplane): Pull/Push over plain TCP beside gRPC.
+"""The data plane (jaxdist.transport.dataplane): Pull/Push over plain TCP beside gRPC.
 
 Real sockets on 127.0.0.1 port 0. The PS tests in test_ps_server.py also run
 over it (the ``ps_client`` fixture is parametrized by transport); these cover
@@ -31,7 +31,9 @@ from jaxdist.errors import (
 )
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.transport import dataplane
-from jaxdist.ps_server.client import CreateSpec, PSClient, PullSpec, PushSpec
+from jaxdist.transport.dataplane import framing, shm
+from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
+from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.server import ParameterServer
 
 from jaxdist.transport.credentials import Credentials
@@ -42,13 +44,13 @@ pytestmark = pytest.mark.timeout(60)
 
 def _hello(sock: socket.socket, token: str = TOKEN) -> tuple[int, str]:
     t = token.encode()
-    sock.sendall(dataplane._HELLO.pack(dataplane.HELLO_MAGIC, len(t)) + t)
+    sock.sendall(framing.HELLO.pack(dataplane.HELLO_MAGIC, len(t)) + t)
     return _read_status(sock)
 
 
 def _read_status(sock: socket.socket) -> tuple[int, str]:
     """(status code, reason) of one response envelope; its body and payload are consumed."""
-    magic, code, reason_len, body_len, payload_len = dataplane._RESPONSE.unpack(_recv(sock, dataplane._RESPONSE.size))
+    magic, code, reason_len, body_len, payload_len = framing.RESPONSE.unpack(_recv(sock, framing.RESPONSE.size))
     assert magic == dataplane.RESPONSE_MAGIC
     reason = _recv(sock, reason_len).decode()
     _recv(sock, body_len + payload_len)
@@ -67,7 +69,7 @@ def _recv(sock: socket.socket, n: int) -> bytes:
 
 def _request(method: int, header: bytes, payload: bytes = b"", payload_len: int | None = None) -> bytes:
     n = len(payload) if payload_len is None else payload_len
-    return dataplane._REQUEST.pack(dataplane.REQUEST_MAGIC, method, len(header), n) + header + payload
+    return framing.REQUEST.pack(dataplane.REQUEST_MAGIC, method, len(header), n) + header + payload
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -96,8 +98,8 @@ def test_pull_and_push_use_the_data_plane_and_match_grpc(ps_server: ParameterSer
     assert client.status().data_port == ps_server.data_port
     big = np.random.default_rng(0).standard_normal((3000, 1000)).astype(np.float32)
     client.create([CreateSpec("big", value=big)])
-    client.push([PushSpec("big", "assign_add", big)], update_id="u1")
-    assert client.push([PushSpec("big", "assign_add", big)], update_id="u1") == ([2], True)  # deduped
+    client.push([Update("big", Op.ASSIGN_ADD, big)], update_id="u1")
+    assert client.push([Update("big", Op.ASSIGN_ADD, big)], update_id="u1") == ([2], True)  # deduped
     via_grpc = PSClient(ps_server.address, CREDS, task="ps:0", data_plane=False)
     try:
         ((a, va),) = client.pull([PullSpec("big")])
@@ -111,16 +113,16 @@ def test_pull_and_push_use_the_data_plane_and_match_grpc(ps_server: ParameterSer
     ((got, _),) = client.pull([PullSpec("big")], out=[out])
     assert got is out and np.array_equal(out, 2 * big)
     assert client.pull([PullSpec("big", known_version=2)]) == [(None, 2)]
-    assert ps_server.servicer.stats["pulls"] >= 4
+    assert ps_server.servicer.counters.snapshot()["pulls"] >= 4
 
 
 def test_typed_errors_over_the_data_plane(ps_server: ParameterServer, client: PSClient) -> None:
     with pytest.raises(VariableNotFoundError):
         client.pull([PullSpec("nope")])
     with pytest.raises(ShapeMismatchError):
-        client.push([PushSpec("v", "assign", np.zeros((5, 3), np.float32))])
+        client.push([Update("v", Op.ASSIGN, np.zeros((5, 3), np.float32))])
     with pytest.raises(DTypeMismatchError):
-        client.push([PushSpec("v", "assign", np.zeros((4, 3), np.int32))])
+        client.push([Update("v", Op.ASSIGN, np.zeros((4, 3), np.int32))])
     with pytest.raises(PayloadTooLargeError):
         client.create([CreateSpec("huge", value=np.zeros(65 << 18, np.float32))])  # 65 MiB > the fixture's 64 MiB
     bad = PSClient(ps_server.address, Credentials("wrong"), task="ps:0")
@@ -130,7 +132,7 @@ def test_typed_errors_over_the_data_plane(ps_server: ParameterServer, client: PS
     finally:
         bad.close()
     # After all that, the same connection still works.
-    assert client.push([PushSpec("v", "assign_add", np.ones((4, 3), np.float32))]) == ([2], False)
+    assert client.push([Update("v", Op.ASSIGN_ADD, np.ones((4, 3), np.float32))]) == ([2], False)
     assert client.uses_data_plane
 
 
@@ -139,8 +141,8 @@ def test_wrong_token_on_the_data_port_is_unauthenticated(ps_server: ParameterSer
         code, reason = _hello(s, "wrong")
         assert code == grpc.StatusCode.UNAUTHENTICATED.value[0] and reason == AuthenticationError.reason
         assert _closed(s)
-    c = dataplane.BulkClient("127.0.0.1", ps_server.data_port, Credentials("wrong"))
-    with pytest.raises(dataplane.BulkError) as e:
+    c = dataplane.DataPlaneClient("127.0.0.1", ps_server.data_port, Credentials("wrong"))
+    with pytest.raises(dataplane.DataPlaneError) as e:
         c.call(dataplane.PULL, b"", (), timeout=5)
     assert e.value.code == grpc.StatusCode.UNAUTHENTICATED
     c.close()
@@ -148,7 +150,7 @@ def test_wrong_token_on_the_data_port_is_unauthenticated(ps_server: ParameterSer
 
 @pytest.mark.parametrize(
     "junk",
-    [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", os.urandom(64), dataplane._HELLO.pack(dataplane.HELLO_MAGIC, 1 << 30)],
+    [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", os.urandom(64), framing.HELLO.pack(dataplane.HELLO_MAGIC, 1 << 30)],
     ids=["http", "random", "huge-token"],
 )
 def test_garbage_before_hello_ends_only_that_connection(ps_server: ParameterServer, client: PSClient, junk: bytes) -> None:
@@ -188,11 +190,11 @@ def test_bad_requests_after_hello(ps_server: ParameterServer, client: PSClient) 
         assert _read_status(s)[0] == invalid and _closed(s)
     with _raw(ps_server) as s:
         assert _hello(s) == (0, "")
-        s.sendall(dataplane._REQUEST.pack(b"XXXX", dataplane.PULL, 0, 0))
+        s.sendall(framing.REQUEST.pack(b"XXXX", dataplane.PULL, 0, 0))
         assert _read_status(s)[0] == invalid and _closed(s)
     with _raw(ps_server) as s:
         assert _hello(s) == (0, "")
-        s.sendall(dataplane._REQUEST.pack(dataplane.REQUEST_MAGIC, dataplane.PULL, dataplane.MAX_HEADER_BYTES + 1, 0))
+        s.sendall(framing.REQUEST.pack(dataplane.REQUEST_MAGIC, dataplane.PULL, dataplane.MAX_HEADER_BYTES + 1, 0))
         assert _read_status(s)[0] == invalid and _closed(s)
     ((v, ver),) = client.pull([PullSpec("v")])
     assert ver == 2 and np.array_equal(v, np.ones((4, 3), np.float32))
@@ -208,7 +210,7 @@ def test_truncated_request_does_not_hurt_the_server(ps_server: ParameterServer, 
             s.sendall(_request(dataplane.PUSH, header.SerializeToString(), b"\0" * 10, payload_len=48))
     # None of the half-sent pushes was applied; the server still serves.
     assert client.pull([PullSpec("v")])[0][1] == 1
-    assert _wait(lambda: ps_server.bulk.connections <= 1)
+    assert _wait(lambda: ps_server.data_plane.connections <= 1)
 
 
 def _wait(cond: object, timeout: float = 10.0) -> bool:
@@ -254,10 +256,10 @@ def test_restarted_ps_is_rediscovered_on_its_new_data_port() -> None:
 def test_unreachable_data_port_falls_back_to_grpc(ps_server: ParameterServer, client: PSClient, caplog: pytest.LogCaptureFixture) -> None:
     c = PSClient(ps_server.address, CREDS, task="ps:0")
     try:
-        assert ps_server.bulk is not None
-        ps_server.bulk.stop(grace=None)  # the port is still announced, as behind a firewall
+        assert ps_server.data_plane is not None
+        ps_server.data_plane.stop(grace=None)  # the port is still announced, as behind a firewall
         with caplog.at_level(logging.WARNING, logger="jaxdist.ps_server.client"):
-            assert c.push([PushSpec("v", "assign_add", np.ones((4, 3), np.float32))]) == ([2], False)
+            assert c.push([Update("v", Op.ASSIGN_ADD, np.ones((4, 3), np.float32))]) == ([2], False)
         assert c.uses_data_plane is False
         assert any("unreachable" in r.getMessage() for r in caplog.records)
         ((v, ver),) = c.pull([PullSpec("v")])
@@ -298,7 +300,7 @@ def test_pull_snapshot_is_consistent_while_pushes_update_in_place(ps_server: Par
         t.start()
     ones = np.ones(n, np.float32)
     for _ in range(30):
-        client.push([PushSpec("c", "assign_add", ones)])
+        client.push([Update("c", Op.ASSIGN_ADD, ones)])
     stop.set()
     for t in threads:
         t.join(30)
@@ -312,7 +314,7 @@ def test_concurrent_pushes_through_one_client_are_exact(ps_server: ParameterServ
 
     def work() -> None:
         for _ in range(50):
-            client.push([PushSpec("k", "assign_add", ones)])
+            client.push([Update("k", Op.ASSIGN_ADD, ones)])
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     for t in threads:
@@ -338,8 +340,8 @@ def _echo_handler(header: bytes, payload: dataplane.Payload) -> Iterator[tuple[b
 
 
 @contextmanager
-def _server(handlers: dict, **kw: object) -> Iterator[dataplane.BulkServer]:
-    s = dataplane.BulkServer(handlers, credentials=CREDS, **kw)  # type: ignore[arg-type]
+def _server(handlers: dict, **kw: object) -> Iterator[dataplane.DataPlaneServer]:
+    s = dataplane.DataPlaneServer(handlers, credentials=CREDS, **kw)  # type: ignore[arg-type]
     s.start()
     try:
         yield s
@@ -356,9 +358,9 @@ def test_call_deadline_is_enforced() -> None:
         yield b"", []
 
     with _server({dataplane.PULL: slow}) as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         t0 = time.monotonic()
-        with pytest.raises(dataplane.BulkError) as e:
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"", (), timeout=0.5)
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and time.monotonic() - t0 < 5
         release.set()
@@ -372,8 +374,8 @@ def test_handler_bug_is_internal_and_server_survives() -> None:
         yield b"", []  # pragma: no cover
 
     with _server({dataplane.PULL: broken, dataplane.PUSH: _echo_handler}) as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
-        with pytest.raises(dataplane.BulkError) as e:
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"h", (np.arange(5, dtype=np.uint8),), timeout=5)
         assert e.value.code == grpc.StatusCode.INTERNAL
         data = np.arange(1 << 20, dtype=np.uint32)
@@ -393,8 +395,8 @@ def test_connection_limit_and_stop() -> None:
         with socket.create_connection(("127.0.0.1", s.port), timeout=5) as second:
             assert _read_status(second)[0] == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
         # A client refused at connect learns that nothing was sent (PSClient then uses gRPC).
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
-        with pytest.raises(dataplane.BulkError) as e:
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"", (), timeout=5)
         assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and not e.value.connected
         c.close()
@@ -417,7 +419,7 @@ def _regions() -> set[str]:
 
 
 @contextmanager
-def _echo_server(**kw: object) -> Iterator[dataplane.BulkServer]:
+def _echo_server(**kw: object) -> Iterator[dataplane.DataPlaneServer]:
     """PUSH echoes the payload back reversed; PULL fails with a typed error before reading it."""
 
     @contextmanager
@@ -429,7 +431,7 @@ def _echo_server(**kw: object) -> Iterator[dataplane.BulkServer]:
         yield s
 
 
-def _echo(c: dataplane.BulkClient, arrays: list[np.ndarray]) -> np.ndarray:
+def _echo(c: dataplane.DataPlaneClient, arrays: list[np.ndarray]) -> np.ndarray:
     n = sum(a.nbytes for a in arrays)
     _, (out,) = c.call(dataplane.PUSH, b"h", arrays, timeout=10, receive=lambda b: [np.empty(n, np.uint8)])
     return out[::-1].copy()  # the server reversed it
@@ -440,7 +442,7 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
     before = _regions()
     with _echo_server() as s:
         # Small slots: payloads span many chunks, and chunk edges fall inside arrays.
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS, shm_slot_bytes=64 << 10)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS, shm_slot_bytes=64 << 10)  # type: ignore[arg-type]
         rng = np.random.default_rng(1)
         arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (100_003, 0, 7, 65_536, 300_001)]
         assert np.array_equal(_echo(c, arrays), np.concatenate(arrays))
@@ -449,7 +451,7 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
         assert np.array_equal(_echo(c, small).view(np.float64), small[0])
         # A typed error before the server reads a shared-memory payload: drained, connection kept in step.
         big = np.ones(1 << 20, np.float32)
-        with pytest.raises(dataplane.BulkError) as e:
+        with pytest.raises(dataplane.DataPlaneError) as e:
             c.call(dataplane.PULL, b"", [big], timeout=10)
         assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert np.array_equal(_echo(c, [big]).view(np.float32), big)
@@ -476,7 +478,7 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
 @needs_shm
 def test_server_without_shared_memory_makes_clients_stop_offering() -> None:
     with _echo_server(shared_memory=False) as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data)
         assert c.shm_connections == 0 and s.shm_connections == 0 and not c.offers_shared_memory
@@ -486,8 +488,8 @@ def test_server_without_shared_memory_makes_clients_stop_offering() -> None:
 @needs_shm
 def test_shared_memory_budget_falls_back_to_the_socket() -> None:
     with _echo_server(max_shm_connections=1) as s:
-        a = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
-        b = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        a = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        b = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         for c in (a, b):
             assert np.array_equal(_echo(c, [data]).view(np.int32), data)
@@ -506,7 +508,7 @@ def test_client_without_shm_space_uses_the_socket(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(os, "posix_fallocate", full)
     before = _regions()
     with _echo_server() as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data)
         assert c.shm_connections == 0 and not c.offers_shared_memory and _regions() == before
@@ -517,7 +519,7 @@ def test_shared_memory_is_off_by_environment(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setenv(dataplane.ENV_SHM, "0")
     assert not dataplane.shm_enabled()
     with _echo_server() as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         assert not c.offers_shared_memory
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data)
@@ -525,7 +527,7 @@ def test_shared_memory_is_off_by_environment(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def _attach(sock: socket.socket, name: str, nonce: bytes = bytes(16), slot: int = 64 << 10) -> tuple[int, str]:
-    header = dataplane._ATTACH.pack(slot, nonce) + name.encode()
+    header = shm.ATTACH.pack(slot, nonce) + name.encode()
     sock.sendall(_request(dataplane.SHM_ATTACH, header))
     return _read_status(sock)
 
@@ -534,7 +536,7 @@ def _attach(sock: socket.socket, name: str, nonce: bytes = bytes(16), slot: int 
 def test_bad_shm_attach_requests_get_typed_errors_and_the_connection_survives(tmp_path: object) -> None:
     bad_arg = grpc.StatusCode.INVALID_ARGUMENT.value[0]
     precondition = grpc.StatusCode.FAILED_PRECONDITION.value[0]
-    made = dataplane._create_region(64 << 10)
+    made = shm.create_region(64 << 10)
     assert made is not None
     path, region = made
     link = os.path.join(dataplane.SHM_DIR, "jaxdist-" + "ab" * 16)
@@ -562,7 +564,7 @@ def test_bad_shm_attach_requests_get_typed_errors_and_the_connection_survives(tm
             region.slots[1][:data.nbytes - 65536] = data[65536:]
             sock.sendall(b"D")
             assert _recv(sock, 1) == b"A"
-            magic, code, reason_len, body_len, payload_len = dataplane._RESPONSE.unpack(_recv(sock, dataplane._RESPONSE.size))
+            magic, code, reason_len, body_len, payload_len = framing.RESPONSE.unpack(_recv(sock, framing.RESPONSE.size))
             assert (code, payload_len) == (0, data.nbytes) and _recv(sock, reason_len + body_len) == b"h"
             got = bytearray()
             for i in range(2):
@@ -571,13 +573,13 @@ def test_bad_shm_attach_requests_get_typed_errors_and_the_connection_survives(tm
                 sock.sendall(b"A")
             assert bytes(got) == data[::-1].tobytes()
     finally:
-        dataplane._unlink(link)
-        dataplane._unlink(path)
+        shm.unlink(link)
+        shm.unlink(path)
         region.close()
 
 
 @contextmanager
-def _raw_to(s: dataplane.BulkServer) -> Iterator[socket.socket]:
+def _raw_to(s: dataplane.DataPlaneServer) -> Iterator[socket.socket]:
     sock = socket.create_connection(("127.0.0.1", s.port), timeout=5)
     try:
         yield sock
@@ -588,7 +590,7 @@ def _raw_to(s: dataplane.BulkServer) -> Iterator[socket.socket]:
 @needs_shm
 def test_client_vanishing_mid_transfer_leaves_the_server_serving() -> None:
     with _echo_server() as s:
-        made = dataplane._create_region(64 << 10)
+        made = shm.create_region(64 << 10)
         assert made is not None
         path, region = made
         try:
@@ -599,10 +601,10 @@ def test_client_vanishing_mid_transfer_leaves_the_server_serving() -> None:
                 sock.sendall(b"D")  # one chunk of sixteen, then the client is gone
                 assert _recv(sock, 1) == b"A"
         finally:
-            dataplane._unlink(path)
+            shm.unlink(path)
             region.close()
         poll_for(lambda: s.shm_connections == 0 and s.connections == 0, 10, what="the region to be released")
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data) and c.shm_connections == 1
         c.close()
@@ -648,7 +650,7 @@ def test_local_cluster_workers_and_coordinator_use_shared_memory() -> None:
 
 @needs_shm
 def test_server_that_cannot_map_a_region_keeps_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = dataplane.mmap.mmap
+    real = shm.mmap.mmap
     made: list[int] = []
 
     def mmap_failing_on_the_server(fd: int, size: int, *a: object, **kw: object) -> object:
@@ -657,9 +659,9 @@ def test_server_that_cannot_map_a_region_keeps_the_connection(monkeypatch: pytes
             raise OSError(12, "Cannot allocate memory")
         return real(fd, size, *a, **kw)
 
-    monkeypatch.setattr(dataplane.mmap, "mmap", mmap_failing_on_the_server)
+    monkeypatch.setattr(shm.mmap, "mmap", mmap_failing_on_the_server)
     with _echo_server() as s:
-        c = dataplane.BulkClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data)
         assert c.shm_connections == 0 and s.shm_connections == 0 and c.offers_shared_memory

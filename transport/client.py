@@ -1,0 +1,105 @@
+"""ServiceClient: the one base of every jaxdist gRPC client (deadline, metadata, error mapping).
+
+Every call a subclass makes goes through :meth:`ServiceClient._call` (unary)
+or inside :meth:`ServiceClient._calling` (streams), which
+
+- sends the credentials' token (``authorization`` metadata) with it,
+- gives it a deadline (a ``timeout`` is required: no call waits forever),
+- turns a failed call into the typed error for its status code, reason and
+  the task called (:func:`jaxdist.proto.status.error_from_rpc`): a PS that
+  cannot be reached is a ``PSUnavailableError``, a worker a
+  ``WorkerUnavailableError``; message text is never parsed.
+
+Subclasses set :attr:`SERVICE` and :attr:`ROLE` and build their methods with
+:meth:`_unary` (protobuf messages) or on :attr:`channel` directly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
+
+import grpc
+
+from jaxdist.base import errors as E
+from jaxdist.proto import status
+from jaxdist.transport.channel import make_channel, unary_method
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
+
+__all__ = ["ServiceClient"]
+
+_Self = TypeVar("_Self", bound="ServiceClient")
+
+
+class ServiceClient:
+    """A channel to one task's service and typed calls on it. Thread-safe.
+
+    Args:
+        address: ``host:port`` (or a gRPC target) of the task.
+        credentials: the token sent with every call and the TLS material of the channel.
+        task: the task called, e.g. ``"ps:0"``, named by every error.
+        channel: an existing channel to use (made from the same ``credentials``);
+            it is then not closed by :meth:`close`.
+    """
+
+    #: Full service name, e.g. ``"jaxdist.ParameterServer"``.
+    SERVICE: ClassVar[str] = ""
+    #: Role of the task called, for error classification: ``"ps"`` or ``"worker"``.
+    ROLE: ClassVar[str] = "worker"
+
+    def __init__(
+        self, address: str, credentials: Credentials = PLAINTEXT, task: str = "", channel: grpc.Channel | None = None
+    ) -> None:
+        self.address = address
+        self.credentials = credentials
+        self.task = task or f"{self.ROLE}:?"
+        self._own_channel = channel is None
+        self.channel = channel if channel is not None else make_channel(address, credentials)
+        self._metadata = credentials.metadata
+
+    def _path(self, method: str) -> str:
+        return f"/{self.SERVICE}/{method}"
+
+    def _unary(self, method: str, request_cls: Any, response_cls: Any) -> grpc.UnaryUnaryMultiCallable:
+        """A unary method of this service with protobuf request/response classes."""
+        return unary_method(self.channel, self._path(method), request_cls, response_cls)
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable | grpc.StreamUnaryMultiCallable, request: Any,
+              timeout: float, **kwargs: Any) -> Any:
+        """Call ``method`` with the token and a ``timeout``-second deadline; typed errors."""
+        try:
+            return method(request, metadata=self._metadata, timeout=timeout, **kwargs)
+        except grpc.RpcError as e:
+            raise self.error(e) from None
+
+    def _future(self, method: grpc.UnaryUnaryMultiCallable, request: Any, timeout: float | None, **kwargs: Any) -> grpc.Future:
+        """Start ``method`` asynchronously with the token; map its failure with :meth:`error`."""
+        return method.future(request, metadata=self._metadata, timeout=timeout, **kwargs)
+
+    @contextmanager
+    def _calling(self) -> Iterator[tuple[tuple[str, str], ...]]:
+        """For streaming calls: yields the metadata to send; a failed call inside becomes its typed error."""
+        try:
+            yield self._metadata
+        except grpc.RpcError as e:
+            raise self.error(e) from None
+
+    def error(self, e: grpc.RpcError) -> E.JaxdistError:
+        """The typed error for a failed call to this task."""
+        return status.error_from_rpc(e, self.task, self.ROLE)
+
+    def status_error(self, code: grpc.StatusCode, details: str, reason: str) -> E.JaxdistError:
+        """The typed error for a status this task answered on another transport (the data plane)."""
+        return status.error_from_status(code, details, reason, self.task, self.ROLE)
+
+    def close(self) -> None:
+        """Close the channel (unless it was given)."""
+        if self._own_channel:
+            self.channel.close()
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

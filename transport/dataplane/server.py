@@ -1,0 +1,366 @@
+"""The data plane's server: a listening socket and one thread per connection, calls answered through the guard."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import grpc
+import numpy as np
+
+from jaxdist.base import errors as E
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
+from jaxdist.transport.dataplane.framing import (
+    HELLO,
+    HELLO_MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_TOKEN_BYTES,
+    METHOD_NAMES,
+    REQUEST,
+    REQUEST_MAGIC,
+    SHM_ATTACH,
+    error_response,
+    recv_exact,
+    response_envelope,
+    set_buffers,
+    shutdown,
+    tune,
+)
+from jaxdist.transport.dataplane.shm import DEFAULT_MAX_SHM_CONNECTIONS, Channel, open_region, shm_enabled
+from jaxdist.transport.guard import guard
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "DataPlaneServer", "Handler", "Payload"]
+
+#: Connections one server accepts at once; more are refused with RESOURCE_EXHAUSTED.
+DEFAULT_MAX_CONNECTIONS = 1024
+#: A client that connected must say hello within this time.
+HELLO_TIMEOUT_S = 10.0
+#: Server side bound on one started request: base + bytes at a slow rate.
+_REQUEST_BASE_S = 30.0
+_REQUEST_MIN_RATE = 20e6
+
+
+class Payload:
+    """The payload bytes of one request, read straight into arrays the handler provides."""
+
+    def __init__(self, channel: Channel, nbytes: int, deadline: float) -> None:
+        self._channel = channel
+        self.nbytes = nbytes
+        self.remaining = nbytes
+        self._deadline = deadline
+
+    def read_into(self, arrays: Sequence[np.ndarray]) -> None:
+        """Fill ``arrays`` (C-contiguous, writable) with the whole payload.
+
+        Raises:
+            InvalidRequestError: their sizes do not add up to the payload's
+                announced length (the payload is left to be drained).
+        """
+        want = sum(a.nbytes for a in arrays)
+        if want != self.remaining:
+            raise E.InvalidRequestError(
+                f"request announces {self.remaining} payload bytes but its header describes {want}"
+            )
+        self._channel.recv_into(arrays, self._deadline)
+        self.remaining = 0
+
+    def drain(self) -> None:
+        """Read and drop what is left, so the connection can carry the next call."""
+        if self.remaining:
+            self._channel.discard(self.remaining, self._deadline)
+            self.remaining = 0
+
+
+#: A handler gets the request's header message and its payload, and returns a
+#: context manager giving ``(response message bytes, response arrays)``; the
+#: arrays are sent while the context is open (a PS keeps its read snapshot).
+Handler = Callable[[bytes, Payload], AbstractContextManager[tuple[bytes, Sequence[np.ndarray]]]]
+
+
+class DataPlaneServer:
+    """Serves the data plane for one task: a listening socket and one thread per connection.
+
+    Args:
+        handlers: method number -> :data:`Handler`.
+        host/port: where to listen; port 0 picks a free one (:attr:`port` after start).
+        credentials: the cluster token clients must present (none: no check; loopback
+            only) and, when it has TLS material, the certificate to serve TLS with (the
+            handshake precedes the hello).
+        observe: optional ``observe(method_name, seconds, failed)`` per call (metrics).
+        shared_memory: accept same-host clients' shared-memory regions (also needs
+            :func:`shm_enabled`); at most ``max_shm_connections`` at once.
+
+    ``start``/``stop`` or a context manager. ``stop`` closes the listener and
+    every connection and joins the threads.
+    """
+
+    def __init__(
+        self,
+        handlers: dict[int, Handler],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        credentials: Credentials = PLAINTEXT,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        observe: Callable[[str, float, bool], None] | None = None,
+        shared_memory: bool = True,
+        max_shm_connections: int = DEFAULT_MAX_SHM_CONNECTIONS,
+    ) -> None:
+        self._handlers = dict(handlers)
+        # Built now so bad TLS files fail at construction, like the gRPC server's.
+        self._tls = credentials.tls.server_ssl_context() if credentials.tls is not None else None
+        self._shared_memory = shared_memory and shm_enabled()
+        self._max_shm = max_shm_connections
+        self._shm_conns = 0
+        self.host = host
+        self.requested_port = port
+        self.port: int | None = None
+        self._token = credentials.token.encode() if credentials.token else None
+        self._max_connections = max_connections
+        self._observe = observe
+        self._listener: socket.socket | None = None
+        self._conns: set[socket.socket] = set()
+        self._busy: set[socket.socket] = set()  # connections inside a call
+        self._threads: set[threading.Thread] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._accept_thread: threading.Thread | None = None
+
+    def start(self) -> int:
+        family = socket.AF_INET6 if ":" in self.host.strip("[]") else socket.AF_INET
+        ls = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            set_buffers(ls)  # accepted connections inherit them
+            ls.bind((self.host.strip("[]"), self.requested_port))
+            ls.listen(128)
+        except OSError as e:
+            ls.close()
+            raise E.ConfigurationError(f"data plane: could not bind {self.host}:{self.requested_port} ({e})") from None
+        self._listener = ls
+        self.port = ls.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="jaxdist-dataplane-accept", daemon=True)
+        self._accept_thread.start()
+        return self.port
+
+    def stop(self, grace: float | None = 1.0) -> None:
+        """Stop accepting, let calls in flight finish for up to ``grace`` seconds, then close everything."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        deadline = time.monotonic() + (grace or 0.0)
+        while True:
+            with self._lock:
+                idle = [c for c in self._conns if c not in self._busy]
+                busy = len(self._busy)
+            for c in idle:  # a thread blocked waiting for the next request wakes up and exits
+                shutdown(c)
+            if not busy or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for c in conns:
+            shutdown(c)
+        end = time.monotonic() + 5.0
+        if self._accept_thread is not None:
+            self._accept_thread.join(max(0.0, end - time.monotonic()))
+        for t in threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    def __enter__(self) -> DataPlaneServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    @property
+    def shm_connections(self) -> int:
+        """Connections whose payloads currently move through shared memory."""
+        with self._lock:
+            return self._shm_conns
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.01)  # e.g. EMFILE: do not spin
+                continue
+            with self._lock:
+                if len(self._conns) >= self._max_connections:
+                    busy = True
+                else:
+                    busy = False
+                    self._conns.add(conn)
+            if busy:
+                if self._tls is not None:
+                    conn.close()  # no plaintext error for a TLS client: it sees the handshake fail
+                else:
+                    self._refuse(conn, E.PayloadTooLargeError(f"data plane: more than {self._max_connections} connections"))
+                continue
+            t = threading.Thread(target=self._serve, args=(conn,), name="jaxdist-dataplane-conn", daemon=True)
+            with self._lock:
+                self._threads.add(t)
+            t.start()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, exc: E.JaxdistError) -> None:
+        try:
+            conn.settimeout(1.0)
+            conn.sendall(error_response(exc))
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def _hello(self, conn: socket.socket) -> bool:
+        conn.settimeout(HELLO_TIMEOUT_S)
+        magic, token_len = HELLO.unpack(recv_exact(conn, HELLO.size))
+        if magic != HELLO_MAGIC or token_len > MAX_TOKEN_BYTES:
+            conn.sendall(error_response(E.InvalidRequestError("data plane: not a jaxdist data-plane client (bad hello)")))
+            return False
+        token = recv_exact(conn, token_len)
+        if self._token is not None and not hmac.compare_digest(token, self._token):
+            conn.sendall(error_response(E.AuthenticationError(
+                "data plane: missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token")))
+            return False
+        conn.sendall(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
+        return True
+
+    def _serve(self, conn: socket.socket) -> None:
+        chan: Channel | None = None
+        try:
+            tune(conn)
+            if self._tls is not None:
+                conn.settimeout(HELLO_TIMEOUT_S)
+                secure = self._tls.wrap_socket(conn, server_side=True)  # handshake; ``conn`` is detached
+                with self._lock:
+                    self._conns.discard(conn)
+                    self._conns.add(secure)
+                conn = secure
+            chan = Channel(conn)
+            if not self._hello(conn):
+                return
+            while not self._stopped.is_set():
+                conn.settimeout(None)  # idle between calls; keepalive finds dead peers
+                try:
+                    chan.settle()  # the last response's slot acknowledgements come first
+                    head = recv_exact(conn, REQUEST.size)
+                except ConnectionError:
+                    return  # the client closed its connection
+                with self._lock:
+                    if self._stopped.is_set():
+                        return
+                    self._busy.add(conn)
+                try:
+                    if not self._call(chan, head):
+                        return
+                finally:
+                    with self._lock:
+                        self._busy.discard(conn)
+        except (OSError, struct.error):
+            return  # peer vanished, timed out, or sent garbage before hello: only this connection ends
+        except Exception:  # noqa: BLE001 - a connection's failure must never take the server down
+            logger.exception("data plane connection failed")
+        finally:
+            conn.close()
+            with self._lock:
+                if chan is not None and chan.region is not None:
+                    self._shm_conns -= 1
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            if chan is not None:
+                chan.close()
+
+    def _attach(self, chan: Channel, header: bytes) -> None:
+        """ShmAttach: map the client's region (typed error: the client keeps using the socket)."""
+        if not self._shared_memory:
+            raise E.RemoteError("ShmAttach: shared memory is off on this server",
+                                code=grpc.StatusCode.FAILED_PRECONDITION)
+        if chan.region is not None:
+            raise E.InvalidRequestError("ShmAttach: this connection already has a region")
+        with self._lock:
+            if self._shm_conns >= self._max_shm:
+                raise E.PayloadTooLargeError(f"ShmAttach: {self._max_shm} connections already use shared memory")
+            self._shm_conns += 1
+        try:
+            chan.attach(open_region(header))
+        except BaseException:
+            with self._lock:
+                self._shm_conns -= 1
+            raise
+
+    def _call(self, chan: Channel, head: bytes) -> bool:
+        """Serve one request; False when the connection must end."""
+        conn = chan.sock
+        magic, method, header_len, payload_len = REQUEST.unpack(head)
+        handler = self._handlers.get(method)
+        if method == SHM_ATTACH and magic == REQUEST_MAGIC and header_len <= MAX_TOKEN_BYTES and not payload_len:
+            conn.settimeout(HELLO_TIMEOUT_S)
+            header = recv_exact(conn, header_len)
+            with guard("ShmAttach", lambda exc: conn.sendall(error_response(exc)), reraise=_connection_lost):
+                self._attach(chan, header)
+                conn.sendall(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
+            return True
+        if magic != REQUEST_MAGIC or handler is None or header_len > MAX_HEADER_BYTES:
+            what = "bad request magic" if magic != REQUEST_MAGIC else (
+                "malformed ShmAttach request" if method == SHM_ATTACH else
+                f"unknown method {method}" if handler is None else f"header of {header_len} bytes is too large")
+            conn.sendall(error_response(E.InvalidRequestError(f"data plane: {what}")))
+            return False
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + _REQUEST_BASE_S + (header_len + payload_len) / _REQUEST_MIN_RATE
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        header = recv_exact(conn, header_len)
+        payload = Payload(chan, payload_len, deadline)
+        name = METHOD_NAMES.get(method, str(method))
+        failed = True
+        try:
+            # Handler errors are raised before the response starts (the sending code below
+            # raises only connection errors, which pass through), so an error envelope is
+            # still well-framed once the unread payload is drained.
+            with guard(name, lambda exc: self._fail(conn, payload, exc), reraise=_connection_lost):
+                with handler(header, payload) as (body, arrays):
+                    if payload.remaining:
+                        raise E.InvalidRequestError(f"{name}: request carries {payload.remaining} payload bytes it does not use")
+                    conn.settimeout(max(0.001, deadline - time.monotonic()))
+                    conn.sendall(response_envelope(grpc.StatusCode.OK, b"", body, sum(a.nbytes for a in arrays)))
+                    chan.send(arrays, deadline)
+                    failed = False
+        finally:
+            if self._observe is not None:
+                self._observe(name, time.perf_counter() - t0, failed)
+        return True
+
+    @staticmethod
+    def _fail(conn: socket.socket, payload: Payload, exc: E.JaxdistError) -> None:
+        payload.drain()
+        conn.sendall(error_response(exc))
+
+
+def _connection_lost(exc: Exception) -> bool:
+    """This connection itself failed (peer gone, timeout, garbage framing): nothing can be answered."""
+    return isinstance(exc, (OSError, struct.error))
