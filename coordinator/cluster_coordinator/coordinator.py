@@ -288,8 +288,8 @@ class Cluster:
         except TimeoutError:
             logger.warning("not every worker was reconfigured within %.0fs; the rest are when next recovered", timeout)
             return
-        for w, e in failed:
-            logger.info("%s not reconfigured yet: %s", w.task, e)
+        for w, code in failed:
+            logger.info("%s not reconfigured yet: %s", w.task, code.name)
 
     # --------------------------------------------------- per-worker resources
     def create_per_worker_resource(self, fn: Callable[..., Any], args: tuple[Any, ...], has_pw: bool) -> PerWorkerResourceValues:

@@ -47,7 +47,7 @@ from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist.cluster_coordinator.failure_handler import ClosureReport, Decision, FailureHandler, Outcome
 from jaxdist.cluster_coordinator.remote_value import resolve_per_worker
 from jaxdist.proto import common_pb2, worker_pb2
-from jaxdist.proto.status import error_from_status, reason_of
+from jaxdist.proto.status import reason_of
 from jaxdist.transport import rpc
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker import closure_args
@@ -608,9 +608,10 @@ class Dispatcher:
                 return
 
     # ---------------------------------------------------------------- to all workers
-    def configure_all(self, handles: Sequence[WorkerHandle], timeout: float) -> list[tuple[WorkerHandle, E.JaxdistError]]:
+    def configure_all(self, handles: Sequence[WorkerHandle], timeout: float) -> list[tuple[WorkerHandle, grpc.StatusCode]]:
         """Send each worker its current configuration, in parallel; returns those that did not
-        answer (they get it when they are next recovered)."""
+        answer, with the status of their call (they get it when they are next recovered; what a
+        failed call means is the failure handler's to say, from the calls it is told about)."""
         return self.call(self._to_all(handles, lambda h: h.configure(self._host.configure_request(h), metadata=h.metadata,
                                                                      timeout=timeout)), timeout * 2 + 5)
 
@@ -620,9 +621,9 @@ class Dispatcher:
         self.call(self._to_all(handles, lambda h: h.shutdown(req, metadata=h.metadata, timeout=timeout)), timeout * 2 + 5)
 
     async def _to_all(self, handles: Sequence[WorkerHandle],
-                      send: Callable[[WorkerHandle], Awaitable[Any]]) -> list[tuple[WorkerHandle, E.JaxdistError]]:
+                      send: Callable[[WorkerHandle], Awaitable[Any]]) -> list[tuple[WorkerHandle, grpc.StatusCode]]:
         gate = asyncio.Semaphore(_CONFIGURE_CONCURRENCY)
-        failed: list[tuple[WorkerHandle, E.JaxdistError]] = []
+        failed: list[tuple[WorkerHandle, grpc.StatusCode]] = []
 
         async def one(h: WorkerHandle) -> None:
             if h.channel is None or h.leaving:
@@ -631,7 +632,7 @@ class Dispatcher:
                 try:
                     await send(h)
                 except grpc.aio.AioRpcError as e:
-                    failed.append((h, error_from_status(e.code(), e.details() or "", reason_of(e), h.task, "worker")))
+                    failed.append((h, e.code()))
 
         await asyncio.gather(*(one(h) for h in handles))
         return failed
