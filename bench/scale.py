@@ -548,13 +548,13 @@ def measure_kills2(c: ScaleCluster, hosts: list[Any]) -> None:
     f0 = sum(c.coord.status()[i]["failures"] for i in others)
     closure = _make_failure_closure(counters["started"], counters["held"], counters["done"],
                                     frozenset(rows[0] + rows[1]), a.phase_timeout)
+    k_start = c.coord.closure_counts  # its figures count since the coordinator started
     rvs = [c.coord.schedule(closure) for _ in range(total)]
-    counts = lambda: c.coord.closure_counts  # noqa: E731
 
     # Every victim that took a batch is blocked in its first closure; everything else has finished.
     def settled() -> bool:
-        k = counts()
-        return k.queued == 0 and k.finished + k.running == total
+        k = c.coord.closure_counts
+        return k.queued == 0 and k.running > 0 and (k.finished - k_start.finished) + k.running == total
 
     wait_until(settled, a.phase_timeout, "survivors to finish the rest", 0.05)
     held = int(counters["held"].numpy())
