@@ -150,6 +150,13 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
     return time.monotonic() - t0
 
 
+def none_healthy(c: Any, rows: list[int]) -> bool:
+    """Whether none of ``rows`` is healthy, from one status() snapshot: status() builds every row
+    (O(workers)), and polling it per row would take the coordinator's CPU it is timing."""
+    status = c.coord.status()
+    return not any(status[i]["healthy"] for i in rows)
+
+
 def failures(c: Any) -> int:
     """Failures the coordinator has declared so far, summed over every worker (status() rows)."""
     return sum(r["failures"] for r in c.coord.status())
@@ -484,6 +491,7 @@ def measure_failure(c: ScaleCluster, victim: Any) -> None:
     closure = _make_failure_closure(counters["started"], counters["held"], counters["done"], frozenset(rows),
                                     a.phase_timeout)
     rvs: list[Any] = []
+    k_before = c.coord.closure_counts  # its figures count since the coordinator started
     t0 = time.monotonic()
     # Survivors finish their closures at once and may drain the queue before a victim asks: top it
     # up until every victim worker holds one.
@@ -494,11 +502,19 @@ def measure_failure(c: ScaleCluster, victim: Any) -> None:
         with contextlib.suppress(TimeoutError):
             wait_until(lambda: int(counters["held"].numpy()) >= len(rows), 2.0, "victims hold closures", 0.05)
     t_held = time.monotonic() - t0
+    # The survivors finish the backlog first: what starts after the kill is then only the re-runs
+    # of what the victims held (else "last re-run" would time the backlog too).
+    k_start_finished = k_before.finished
+
+    def settled() -> bool:
+        k = c.coord.closure_counts
+        return k.queued == 0 and (k.finished - k_start_finished) + k.running == len(rvs)
+
+    wait_until(settled, a.phase_timeout, "survivors to finish the backlog", 0.05)
     sig = signal.SIGKILL if a.failure_mode == "kill" else signal.SIGSTOP
     wall_kill, t_kill = time.time(), time.monotonic()
     os.kill(victim.pid, sig)
-    status = c.coord.status
-    t_declared = wait_until(lambda: not any(status()[i]["healthy"] for i in rows), a.phase_timeout, "victims declared failed", 0.01)
+    t_declared = wait_until(lambda: none_healthy(c, rows), a.phase_timeout, "victims declared failed", 0.02)
     c.coord.join(timeout=a.phase_timeout)
     t_join = time.monotonic() - t_kill
     results = [rv.fetch() for rv in rvs]
@@ -520,8 +536,7 @@ def _kill_and_rerun(c: ScaleCluster, host: Any, victim_rows: list[int]) -> dict[
     k0 = c.coord.closure_counts
     wall, t0 = time.time(), time.monotonic()
     os.kill(host.pid, signal.SIGKILL)
-    t_declared = wait_until(lambda: not any(c.coord.status()[i]["healthy"] for i in victim_rows), a.phase_timeout,
-                            "victims declared failed", 0.01)
+    t_declared = wait_until(lambda: none_healthy(c, victim_rows), a.phase_timeout, "victims declared failed", 0.02)
 
     def rerun_done() -> bool:
         k = c.coord.closure_counts
@@ -545,7 +560,8 @@ def measure_kills2(c: ScaleCluster, hosts: list[Any]) -> None:
     by_address = {r["address"]: i for i, r in enumerate(c.coord.status()) if not r["left"]}
     rows = [[by_address[ad] for ad in h.addresses] for h in hosts]
     others = [i for i in range(len(c.coord.status())) if i not in set(rows[0] + rows[1])]
-    f0 = sum(c.coord.status()[i]["failures"] for i in others)
+    status = c.coord.status()
+    f0 = sum(status[i]["failures"] for i in others)
     closure = _make_failure_closure(counters["started"], counters["held"], counters["done"],
                                     frozenset(rows[0] + rows[1]), a.phase_timeout)
     k_start = c.coord.closure_counts  # its figures count since the coordinator started
@@ -569,7 +585,7 @@ def measure_kills2(c: ScaleCluster, hosts: list[Any]) -> None:
     got = {k: int(v.numpy()) for k, v in counters.items()}
     emit(kind="kills2", workers=c.n, closures=total, victims_holding=held, kills=kills, started=got["started"],
          done=got["done"], exact=got["started"] == got["done"] == total,
-         false_failures=sum(c.coord.status()[i]["failures"] for i in others) - f0)
+         false_failures=sum(r["failures"] for i, r in enumerate(c.coord.status()) if i in set(others)) - f0)
 
 
 def measure_detect(c: ScaleCluster, victim: Any) -> None:
@@ -582,8 +598,7 @@ def measure_detect(c: ScaleCluster, victim: Any) -> None:
     f0 = sum(r["failures"] for i, r in enumerate(c.coord.status()) if i not in rows)
     sig = signal.SIGKILL if a.failure_mode == "kill" else signal.SIGSTOP
     os.kill(victim.pid, sig)
-    status = c.coord.status
-    t_declared = wait_until(lambda: not any(status()[i]["healthy"] for i in rows), a.phase_timeout, "victims declared failed", 0.01)
+    t_declared = wait_until(lambda: none_healthy(c, rows), a.phase_timeout, "victims declared failed", 0.02)
     if sig == signal.SIGSTOP:
         victim.kill()
     emit(kind="detect", workers=c.n, killed=len(rows), mode=a.failure_mode, all_declared_failed_s=round(t_declared, 3),
@@ -639,16 +654,16 @@ def measure_join(c: ScaleCluster) -> Any:
             latest = {r["address"]: r for r in c.coord.status() if r["address"] in mine}
             return list(latest.values())
 
-        wait_until(lambda: len(rows()) == 100, a.phase_timeout, "100 registered", 0.01)
+        wait_until(lambda: len(rows()) == 100, a.phase_timeout, "100 registered", 0.05)
         t_reg = time.monotonic() - t0  # from the ready line (registration starts right after it)
-        wait_until(lambda: all(r["healthy"] for r in rows()), a.phase_timeout, "100 healthy", 0.01)
+        wait_until(lambda: all(r["healthy"] for r in rows()), a.phase_timeout, "100 healthy", 0.05)
         t_healthy = time.monotonic() - t0
 
         def working() -> int:
             return sum(r["closures_done"] > done_before.get(r["address"], 0) for r in rows())
 
         try:
-            wait_until(lambda: working() == 100, a.join_work_timeout, "100 working", 0.01)
+            wait_until(lambda: working() == 100, a.join_work_timeout, "100 working", 0.05)
             t_working: float | None = time.monotonic() - t0
         except TimeoutError:
             t_working = None
