@@ -331,14 +331,20 @@ class LocalCluster:
         return None if t.proc is None else t.proc.poll()
 
     def wait_exit(self, timeout: float) -> dict[str, int | None]:
-        """Wait for every task to exit by itself (e.g. after the coordinator's shutdown)."""
+        """Wait for every task to exit by itself (e.g. after the coordinator's shutdown).
+
+        Returns each task's exit code (None: still running). Exits reported here are the
+        caller's to judge: a non-zero code seen by ``wait_exit`` does not mark the cluster
+        failed (its logs are removed at a clean ``stop``); a task still running does not either.
+        """
         deadline = time.monotonic() + timeout
-        out = {}
+        out: dict[str, int | None] = {}
         for t in self._tasks.values():
             if t.proc is None:
                 continue
             try:
                 out[t.name] = t.proc.wait(max(0.0, deadline - time.monotonic()))
+                self._expected_exit.add((t.role, t.index))
             except subprocess.TimeoutExpired:
                 out[t.name] = None
         return out

@@ -63,7 +63,7 @@ def _worker_context() -> tuple[int, int] | None:
 
 
 def _make_local_mirrored_class() -> type:
-    from jaxdist.sync.strategy import MirroredStrategy
+    from jaxdist.sync.strategies import MirroredStrategy
 
     class LocalMirrored(MirroredStrategy):
         """MirroredStrategy over one process's devices, whose input pipelines are numbered by worker."""
@@ -165,13 +165,8 @@ class _PSExtended:
                 f"colocate_vars_with wants a (non-sharded) variable of this ParameterServerStrategy, got "
                 f"{colocate_with_variable!r}"
             )
-        prev = getattr(self._strategy, "_colocate_ps", None)
-        self._strategy._colocate_ps = ps
-        try:
-            with self._strategy.scope():
-                yield
-        finally:
-            self._strategy._colocate_ps = prev
+        with self._strategy.colocated_on(ps), self._strategy.scope():
+            yield
 
     def variable_created_in_scope(self, v: Any) -> bool:
         for var in self._strategy.variables.values():

@@ -11,6 +11,7 @@ one call per PS task, all in parallel.
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -75,7 +76,7 @@ class ShardedVariable(VariableOps):
         conns = self.variables[0].connections()
         results = conns.fan_out(
             {
-                ps: (lambda c, items=items: c.pull([PullSpec(self.variables[s].name, indices=rows) for s, rows in items]))
+                ps: operator.methodcaller("pull", [PullSpec(self.variables[s].name, indices=rows) for s, rows in items])
                 for ps, items in by_ps.items()
             }
         )

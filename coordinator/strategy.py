@@ -28,6 +28,7 @@ from jaxdist.base.cluster_resolver import ClusterResolver
 from jaxdist.base.errors import ConfigurationError, JaxdistError
 from jaxdist.partitioners import Partitioner, shard_offsets
 from jaxdist.transport import rpc
+from jaxdist.proto.ps_wire import IfExists
 from jaxdist.ps_server.client import CreateSpec
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
@@ -117,6 +118,9 @@ class ParameterServerStrategy(PSStrategyMethods):
             self.replicas = ReplicaSet(ps, backups, self.credentials, self._conns)
             self.replicas.attach_all()
         self._counter = 0  # TF's global round-robin placement counter
+        # extended.colocate_vars_with's target PS; context-local so threads creating variables
+        # at the same time don't see each other's colocation.
+        self._colocate_ps: contextvars.ContextVar[int | None] = contextvars.ContextVar("jaxdist_colocate_ps", default=None)
         self._names: dict[str, int] = {}
         self._lock = threading.Lock()
         self._coordinator: ClusterCoordinator | None = None
@@ -184,9 +188,24 @@ class ParameterServerStrategy(PSStrategyMethods):
             self._names[base] = n + 1
         return base if n == 0 else f"{base}_{n}"
 
+    @contextlib.contextmanager
+    def colocated_on(self, ps_index: int) -> Iterator[None]:
+        """Variables created inside (in this thread/context) go to PS task ``ps_index``, unsharded.
+
+        What ``extended.colocate_vars_with`` uses; TF's round-robin counter does not step for them.
+        """
+        if not 0 <= int(ps_index) < self.num_ps:
+            raise ValueError(f"colocated_on: ps_index {ps_index} is not a PS task of this strategy (0..{self.num_ps - 1})")
+        token = self._colocate_ps.set(int(ps_index))
+        try:
+            yield
+        finally:
+            self._colocate_ps.reset(token)
+
     def _place(self) -> int:
-        if getattr(self, "_colocate_ps", None) is not None:  # extended.colocate_vars_with: same PS, no counter step
-            return int(self._colocate_ps)
+        colocated = self._colocate_ps.get()
+        if colocated is not None:  # extended.colocate_vars_with: same PS, no counter step
+            return colocated
         with self._lock:
             ps = self._counter % self.num_ps
             self._counter += 1
@@ -202,10 +221,11 @@ class ParameterServerStrategy(PSStrategyMethods):
         initializer: Callable[..., Any] | None,
         optimizer: Any,
         trainable: bool,
-        if_exists: str,
+        if_exists: IfExists | str,
     ) -> tuple[Any, list[tuple[int, CreateSpec]]]:
+        if_exists = IfExists(if_exists)
         k = 1
-        if self._partitioner is not None and len(shape) > 0 and getattr(self, "_colocate_ps", None) is None:
+        if self._partitioner is not None and len(shape) > 0 and self._colocate_ps.get() is None:
             parts = list(self._partitioner(shape, dtype))
             if len(parts) != len(shape) or any(p != 1 for p in parts[1:]) or parts[0] < 1:
                 raise ConfigurationError(

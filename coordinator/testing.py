@@ -23,8 +23,11 @@ starts a new, empty one at the same address.
 
 from __future__ import annotations
 
+import os
 import secrets
+import threading
 import time
+from dataclasses import dataclass
 from collections.abc import Callable
 from typing import Any
 
@@ -35,7 +38,7 @@ from jaxdist.ps_server.store import DEFAULT_MAX_VARIABLE_BYTES
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker.server import WorkerServer
 
-__all__ = ["InProcessCluster", "poll_for"]
+__all__ = ["InProcessCluster", "Leftovers", "poll_for"]
 
 
 def poll_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.02, what: str = "condition") -> None:
@@ -49,6 +52,78 @@ def poll_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.0
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def _child_processes() -> frozenset[tuple[int, str]]:
+    """This process's direct children (zombies included: an unreaped child is a leftover too),
+    as ``(pid, start time)`` so a reused pid is not mistaken for an old child. Linux /proc only."""
+    me = os.getpid()
+    pids: set[int] = set()
+    try:
+        # Each thread's children file lists the children it forked (cheap, unlike a scan of /proc).
+        for tid in os.listdir(f"/proc/{me}/task"):
+            try:
+                with open(f"/proc/{me}/task/{tid}/children") as f:
+                    pids.update(int(p) for p in f.read().split())
+            except OSError:  # the thread ended meanwhile
+                continue
+    except OSError:  # no /proc: nothing to say
+        return frozenset()
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited and reaped meanwhile
+            continue
+        # After the command name (which may hold spaces and parentheses): state ppid ... starttime (22nd field).
+        rest = stat[stat.rfind(")") + 2 :].split()
+        if int(rest[1]) == me:
+            out.add((pid, rest[19]))
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class Leftovers:
+    """What a test started that is still running: ``jaxdist-*`` threads and child processes.
+
+    ``Leftovers.now()`` before a test, then ``since.wait_gone(...)`` after it: the test's threads
+    and children must be gone (they are given ``timeout`` to finish stopping).
+    """
+
+    threads: frozenset[threading.Thread]
+    children: frozenset[tuple[int, str]]
+
+    @staticmethod
+    def now() -> Leftovers:
+        threads = frozenset(t for t in threading.enumerate() if t.name.startswith("jaxdist-") and t.is_alive())
+        return Leftovers(threads, _child_processes())
+
+    def new_since(self, before: Leftovers) -> Leftovers:
+        return Leftovers(self.threads - before.threads, self.children - before.children)
+
+    def __bool__(self) -> bool:
+        return bool(self.threads or self.children)
+
+    def describe(self) -> str:
+        parts = [f"thread {t.name}" for t in sorted(self.threads, key=lambda t: t.name)]
+        for pid, _ in sorted(self.children):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                cmd = "?"
+            parts.append(f"child pid {pid} ({cmd[:120]})")
+        return ", ".join(parts)
+
+    def wait_gone(self, timeout: float) -> Leftovers:
+        """Wait up to ``timeout`` for everything started since ``self`` to end; return what is left."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = Leftovers.now().new_since(self)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
 
 
 def _parse(task: str) -> tuple[str, int]:

@@ -15,6 +15,7 @@ once (see the README, "Exactly-once updates").
 from __future__ import annotations
 
 import abc
+import operator
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -187,6 +188,7 @@ class Variable(VariableOps):
         idx = np.asarray(indices, dtype=np.int64)
         conns = self.connections()
         ((value, _),) = conns.client(self.ps_index).pull([PullSpec(self.name, indices=idx.reshape(-1))])
+        assert value is not None, "a pull without a known version always returns the value"
         return value.reshape(idx.shape + self.shape[1:])
 
 
@@ -242,12 +244,11 @@ def pull_arrays(
         by_ps[v.ps_index].append(i)
     conns = _connections_of(variables)
     calls = {
-        ps: (
-            lambda c, idxs=idxs: c.pull(
-                [_pull_spec(variables[i], dtype) for i in idxs],
-                timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
-                out=None if out is None else [out[i] for i in idxs],
-            )
+        ps: operator.methodcaller(
+            "pull",
+            [_pull_spec(variables[i], dtype) for i in idxs],
+            timeout=deadline_for(sum(variables[i].size * variables[i].dtype.itemsize for i in idxs)),
+            out=None if out is None else [out[i] for i in idxs],
         )
         for ps, idxs in by_ps.items()
     }
@@ -380,7 +381,9 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
         op = Op(op)
         by_ps[var.ps_index].append(Update(var.name, op, ps_wire.wire_value(value, var.dtype, op), idx))
     update_id = next_update_id()
-    _connections_of([var for var, *_ in updates]).fan_out({ps: (lambda c, s=specs: c.push(s, update_id=update_id)) for ps, specs in by_ps.items()})
+    _connections_of([var for var, *_ in updates]).fan_out(
+        {ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()}
+    )
 
 
 def gradient_updates(var: VariableOps, grad: Any, transfer_dtype: Any = None, broadcast: bool = True) -> list[ShardUpdate]:
@@ -429,4 +432,4 @@ def create_on_ps(specs: Sequence[tuple[int, CreateSpec]], conns: PSConnections) 
     by_ps: dict[int, list[CreateSpec]] = defaultdict(list)
     for ps, spec in specs:
         by_ps[ps].append(spec)
-    conns.fan_out({ps: (lambda c, s=s: c.create(s)) for ps, s in by_ps.items()})
+    conns.fan_out({ps: operator.methodcaller("create", s) for ps, s in by_ps.items()})

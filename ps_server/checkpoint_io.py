@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import zipfile
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def write_npz_atomic(directory: str, file_name: str, arrays: dict[str, np.ndarra
     tmp = f"{final}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+            np.savez(f, **cast("dict[str, Any]", arrays))  # cast: numpy's stub types **kwds like allow_pickle
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -48,7 +48,7 @@ class PSConnections:
                 f"variable placed on ps:{ps_index} but this process knows {len(self.clients)} PS task(s)"
             ) from None
 
-    def fan_out(self, calls: dict[int, Callable[[PSClient], Any]]) -> dict[int, Any]:
+    def fan_out(self, calls: Mapping[int, Callable[[PSClient], Any]]) -> dict[int, Any]:
         """Run one call per PS task in parallel; the first error is raised after all finish."""
         if len(calls) == 1:
             (i, fn), = calls.items()

@@ -18,7 +18,41 @@ CREDS = Credentials(TOKEN)
 
 
 # One harness: tests that still do ``from conftest import poll_for`` get jaxdist.testing's.
-from jaxdist.testing import poll_for  # noqa: E402,F401
+from jaxdist.testing import Leftovers, poll_for  # noqa: E402,F401
+
+#: Fixtures wider than one test (module or session scope) whose threads and processes outlive
+#: each test that uses them: tests using one are checked when their module ends instead.
+#: A new module-scoped fixture that starts threads or processes goes here.
+SHARED_FIXTURES = frozenset({
+    "cluster", "slurm", "netbench", "run", "trained", "compare_tf", "three_ps", "clusters", "env",
+    "check_results", "validator", "pki",
+})
+
+#: Seconds a test's threads and child processes get to finish stopping after it returns.
+_LEFTOVER_GRACE_S = 30.0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _nothing_outlives_the_module() -> Iterator[None]:
+    """No jaxdist-* thread or child process started in a module outlives it (its fixtures included)."""
+    before = Leftovers.now()
+    yield
+    left = before.wait_gone(_LEFTOVER_GRACE_S)
+    assert not left, f"left running after the module: {left.describe()}"
+
+
+@pytest.fixture(autouse=True)
+def _nothing_outlives_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """No jaxdist-* thread or child process started by a test outlives it."""
+    before = Leftovers.now()
+    yield
+    if SHARED_FIXTURES.intersection(request.fixturenames):
+        return  # checked when the module ends
+    left = before.wait_gone(_LEFTOVER_GRACE_S)
+    assert not left, (
+        f"left running after the test: {left.describe()} (stop what the test started; if a module-scoped "
+        "fixture owns it, list the fixture in conftest.SHARED_FIXTURES)"
+    )
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ default, so two tasks with different credentials can live in one process.
 from __future__ import annotations
 
 import os
+import socket
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -209,3 +210,18 @@ class Credentials:
 
 #: No token, no TLS: what tests on loopback use (a server with it refuses non-loopback binds).
 PLAINTEXT = Credentials()
+
+
+def tls_handshake(ctx: ssl.SSLContext, sock: socket.socket, *, server_side: bool = False,
+                  server_hostname: str | None = None) -> ssl.SSLSocket:
+    """Wrap ``sock`` (which it detaches) and complete the TLS handshake; on failure the wrapped
+    socket is closed before the error propagates (``ctx.wrap_socket``'s own handshake would lose
+    it: the plain socket is already detached, the new one never returned)."""
+    secure = ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
+                             do_handshake_on_connect=False)
+    try:
+        secure.do_handshake()
+    except BaseException:
+        secure.close()
+        raise
+    return secure

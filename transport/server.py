@@ -188,8 +188,10 @@ class Server:
             interceptors.append(self._latency)
         if token:
             interceptors.append(_AuthInterceptor(token))
+        # Kept to shut it down in stop(): grpc's server.stop() leaves its executor's threads alive.
+        self._executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxdist-rpc")
         self._server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="jaxdist-rpc"),
+            self._executor,
             interceptors=interceptors,
             options=[
                 ("grpc.max_send_message_length", max_message_bytes),
@@ -246,6 +248,9 @@ class Server:
         self._stopped.set()
         self.health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        # Not waiting: a handler still running user code (a closure) must not hold stop() up;
+        # idle threads exit now, busy ones when their call returns.
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def wait(self, timeout: float | None = None) -> bool:
         return self._stopped.wait(timeout)

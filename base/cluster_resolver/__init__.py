@@ -28,16 +28,11 @@ __all__ = [
     "detect",
 ]
 
-try:  # Optional module, added with Slurm support.
-    from jaxdist.base.cluster_resolver.slurm import SlurmClusterResolver  # noqa: F401
+# Imported for their registration with detect() and as re-exports.
+from jaxdist.base.cluster_resolver.slurm import SlurmClusterResolver  # noqa: E402
+from jaxdist.base.cluster_resolver.tpu import TPUClusterResolver  # noqa: E402
 
-    __all__.append("SlurmClusterResolver")
-except ImportError:  # pragma: no cover
-    pass
-
-from jaxdist.base.cluster_resolver.tpu import TPUClusterResolver  # noqa: E402 - registers with detect()
-
-__all__.append("TPUClusterResolver")
+__all__ += ["SlurmClusterResolver", "TPUClusterResolver"]
 
 
 def detect() -> ClusterResolver:

@@ -91,7 +91,7 @@ def _bounds(text: str | None, what: str) -> tuple[int, int, int] | None:
         raise ConfigurationError(f"{what}={text!r} is not a list of integers like '2,2,1'") from None
     if len(vals) != 3 or min(vals) < 1:
         raise ConfigurationError(f"{what}={text!r} must be three positive integers (x,y,z)")
-    return vals  # type: ignore[return-value]
+    return (vals[0], vals[1], vals[2])
 
 
 def _generation(accelerator_type: str) -> str:

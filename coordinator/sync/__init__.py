@@ -49,15 +49,8 @@ from jaxdist.sync.losses import compute_average_loss, scale_regularization_loss
 from jaxdist.sync.multi_worker import EXIT_PEER_FAILED, MultiWorkerMirroredStrategy, PeerFailedError
 from jaxdist.sync.optimizer import Optimizer
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.strategy import (
-    AXIS,
-    CentralStorageStrategy,
-    MirroredStrategy,
-    OneDeviceStrategy,
-    Strategy,
-    TPUStrategy,
-    replicate,
-)
+from jaxdist.sync.strategies import CentralStorageStrategy, MirroredStrategy, OneDeviceStrategy, TPUStrategy
+from jaxdist.sync.strategy import AXIS, Strategy, replicate
 from jaxdist.sync.tpu import DeviceAssignment, Topology, experimental_connect_to_cluster, initialize_tpu_system
 from jaxdist.sync.values import PerReplica
 from jaxdist.sync.variables import (

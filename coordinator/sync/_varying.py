@@ -27,6 +27,7 @@ replicated inputs are per-replica until the user all-reduces them, as in TF.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import jax.extend.core as jcore
 
@@ -139,7 +140,7 @@ def _eqn_rule(eqn: jcore.JaxprEqn, ins: list[bool], axis: str) -> list[bool]:
 
 def _open(j: object) -> jcore.Jaxpr:
     """The open jaxpr of a ClosedJaxpr, or the jaxpr itself (newer JAX hands scan bodies over open)."""
-    return getattr(j, "jaxpr", j)  # type: ignore[return-value]
+    return cast("jcore.Jaxpr", getattr(j, "jaxpr", j))
 
 
 def _count_leaves(t: object) -> int:

@@ -255,14 +255,14 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
             var.assign(value.astype(var.dtype), read_value=False)
         opt_state = data.get("optimizer_state") or {}
         for opt in _live_optimizers(strategy, include_unbuilt=True):
-            mine = {v.name: opt_state.get(v.name) for v in (opt._vars or [])}
+            saved_state = {v.name: opt_state.get(v.name) for v in (opt._vars or [])}
             if opt._vars is None:  # TF's deferred restoration: applied when the optimizer is built
                 opt._pending_restore = dict(opt_state)
                 opt._pending_variables = {k: v for k, v in saved.items() if k.startswith(f"{opt.name}/")}
                 continue
             if opt._layout is None:
                 continue  # whole-state variables were restored by name above
-            present = {k: v for k, v in mine.items() if v}
+            present = {k: v for k, v in saved_state.items() if v}
             if not present:
                 logger.warning("checkpoint %s has no optimizer state for %r; its state is unchanged", path, opt.name)
                 continue

@@ -187,7 +187,7 @@ class StrategyExtended:
             return s._store_variable(value) if not destinations.on_read else value
         if isinstance(destinations, PerReplica) or (isinstance(destinations, jax.Array) and destinations.ndim >= 0):
             return value  # TF: the value's own devices
-        from jaxdist.sync.strategy import _resolve_device
+        from jaxdist.sync.strategies import _resolve_device
 
         devs = destinations if isinstance(destinations, (list, tuple)) else [destinations]
         devices = [_resolve_device(d) for d in devs]
@@ -226,7 +226,7 @@ class StrategyExtended:
 
     def _reduce_on_one_device(self, ops: cdo.ReductionToOneDevice, op: ReduceOp, value: PerReplica) -> Any:
         """Copy every replica's value to ``reduce_to_device``, reduce there, broadcast the result."""
-        from jaxdist.sync.strategy import _resolve_device
+        from jaxdist.sync.strategies import _resolve_device
 
         s = self._strategy
         if getattr(s, "_multi_process", False):

@@ -341,7 +341,9 @@ class _PerReplicaIterator(DistributedIterator):
         self._per_replica_mode = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
         self._on_device = options.experimental_place_dataset_on_device
         self._devices = strategy._replica_devices()
-        if self._on_device and not hasattr(strategy, "per_replica_sharding"):
+        # Only strategies with replica devices (Mirrored, TPU, ...) have one.
+        self._per_replica_sharding = getattr(strategy, "per_replica_sharding", None)
+        if self._on_device and self._per_replica_sharding is None:
             raise ConfigurationError(
                 "experimental_place_dataset_on_device needs a strategy with replica devices (Mirrored, TPU, ...)"
             )
@@ -466,4 +468,5 @@ class _PerReplicaIterator(DistributedIterator):
         # Arrays made under jax.default_device are uncommitted: commit them where they are (no copy)
         # before reshaping, or the reshape would run on JAX's global default device.
         parts = [jnp.expand_dims(jax.device_put(c, d), 0) for c, d in zip(col, self._devices)]
-        return jax.make_array_from_single_device_arrays(shape, self._s.per_replica_sharding, parts)
+        assert self._per_replica_sharding is not None  # checked in __init__ for on-device input
+        return jax.make_array_from_single_device_arrays(shape, self._per_replica_sharding, parts)

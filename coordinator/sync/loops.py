@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -49,8 +50,6 @@ from jaxdist.sync.strategy import (
     _fn_key,
     _is_array_like,
     _is_tracer,
-    _Program,
-    _RowsInfo,
 )
 from jaxdist.sync.values import PerReplica, is_per_replica
 from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, _under_foreign_trace
@@ -58,6 +57,29 @@ from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, _und
 logger = logging.getLogger(__name__)
 
 __all__ = ["run_program", "stack_batches", "default_run_stacked"]
+
+
+@dataclass
+class _Program:
+    """One compiled ``run``: the jitted shard_map plus how to rebuild its outputs."""
+
+    jitted: Callable[..., Any]
+    out_tree: Any
+    out_varying: list[bool]
+    variables: list[SyncVariable]
+    assigned: list[SyncVariable]
+    rows_used: bool
+    captures: list[tuple[Any, Any, Any]] = field(default_factory=list)
+    owner: Any = None  # weakref to a bound method's instance
+    retraces: int = 0
+
+
+@dataclass
+class _RowsInfo:
+    rows: Any  # the per-replica row counts (global array (R,) or (R, steps)), or a tracer
+    host: np.ndarray | None
+    padded: int
+    guard: bool
 
 
 def _leaf_kind(x: Any) -> bool:
@@ -394,7 +416,6 @@ def stack_batches(strategy: Any, batches: list[Any]) -> Any:
             raise ConfigurationError(f"run_steps: the batches have different structures ({tree0} and {t})")
     out = []
     for col in zip(*(leaves for leaves, _ in flat)):
-        col = list(col)
         if all(isinstance(x, PerReplica) for x in col):
             shapes = {tuple(x.stacked.shape) for x in col}
             if len(shapes) != 1:

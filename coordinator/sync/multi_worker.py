@@ -88,7 +88,7 @@ from jaxdist.sync.coordination import (
 )
 from jaxdist.sync import cross_device_ops as cdo
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.strategy import _MeshStrategy
+from jaxdist.sync.mesh import _MeshStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             # Wait for the previous program without blocking in C++, so that a collective
             # stuck on a dead peer can be abandoned with PeerFailedError.
             leaves = [x for x in jax.tree.leaves(self._in_flight) if isinstance(x, jax.Array)]
-            while not all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]
+            while not all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]  # jax.Array's stub lacks it
                 self._raise_if_failed()
                 time.sleep(_POLL_S)
         watch = self._collective_timeout is not None and not any(
@@ -451,7 +451,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             if watched is None:
                 continue
             t0, leaves = watched
-            if leaves is not None and all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]
+            if leaves is not None and all(x.is_ready() for x in leaves):
                 self._watched = None
                 continue
             if time.monotonic() - t0 > limit:

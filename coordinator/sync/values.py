@@ -191,7 +191,12 @@ class MirroredRegistry:
     def add(self, x: Any) -> Any:
         key = id(x)
         try:
-            self._weak[key] = weakref.ref(x, lambda _r, k=key, d=self._weak: d.pop(k, None))
+            weak = self._weak
+
+            def forget(_ref: weakref.ref[Any], k: int = key) -> None:
+                weak.pop(k, None)
+
+            self._weak[key] = weakref.ref(x, forget)
         except TypeError:
             self._strong[key] = x
             self._strong.move_to_end(key)

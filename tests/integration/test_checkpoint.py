@@ -174,7 +174,8 @@ def test_restore_without_the_cluster(clusters, tmp_path) -> None:  # type: ignor
     leaves = loaded["optimizer_state"]["m/emb"]
     assert [np.shape(x) for x in leaves] == [(), (13, 4), (13, 4)]
     # The format needs only numpy: each file is a plain .npz.
-    manifest = json.load(open(os.path.join(path, "manifest.json")))
+    with open(os.path.join(path, "manifest.json")) as mf:
+        manifest = json.load(mf)
     shard = manifest["variables"]["m/emb"]["shards"][1]
     with np.load(os.path.join(path, shard["file"])) as f:
         np.testing.assert_array_equal(f[f"param/{shard['name']}"], want["emb"][shard["row_start"] :])

@@ -210,16 +210,7 @@ def test_truncated_request_does_not_hurt_the_server(ps_server: ParameterServer, 
             s.sendall(_request(dataplane.PUSH, header.SerializeToString(), b"\0" * 10, payload_len=48))
     # None of the half-sent pushes was applied; the server still serves.
     assert client.pull([PullSpec("v")])[0][1] == 1
-    assert _wait(lambda: ps_server.data_plane.connections <= 1)
-
-
-def _wait(cond: object, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.01)
-    return False
+    poll_for(lambda: ps_server.data_plane.connections <= 1, 10, what="the extra connections to close")
 
 
 def test_restarted_ps_is_rediscovered_on_its_new_data_port() -> None:

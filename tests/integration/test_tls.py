@@ -163,7 +163,8 @@ def test_certs_command_and_tls_flags_of_a_ps_process(tmp_path: Path) -> None:
             c.status(timeout=5)
     finally:
         proc.terminate()
-        assert proc.wait(30) == 0
+        proc.communicate(timeout=30)  # waits and closes both pipes
+        assert proc.returncode == 0
 
 
 @pytest.mark.multiprocess

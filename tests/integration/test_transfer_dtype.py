@@ -81,7 +81,7 @@ def test_bf16_transfer_halves_pushed_bytes_and_trains_the_same_model() -> None:
         grads = {"w": np.random.default_rng(0).normal(size=(64, 32)).astype(np.float32), "b": np.full(32, 0.3, np.float32)}
 
         def pushed() -> float:
-            return sum(c.status().counters["bytes_pushed"] for c in strategy._conns.clients)
+            return sum(c.status().counters["bytes_pushed"] for c in strategy.connections.clients)
 
         before = pushed()
         jaxdist.apply_gradients(full, grads)
@@ -146,7 +146,7 @@ def test_mixed_precision_pull_halves_pulled_bytes() -> None:
             v = jaxdist.create_variables(init, name="mp", optimizer=optax.sgd(0.1))
 
         def pulled() -> float:
-            return sum(c.status().counters["bytes_pulled"] for c in strategy._conns.clients)
+            return sum(c.status().counters["bytes_pulled"] for c in strategy.connections.clients)
 
         before = pulled()
         full = jaxdist.pull(v)

@@ -135,7 +135,8 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("how", ["shutdown_exit_code", "with_block_raises"])
 def test_coordinator_shutdown_code_is_every_tasks_exit_code(how: str) -> None:
-    with jaxdist.LocalCluster(num_workers=1, num_ps=1, metrics=False) as cluster:
+    cluster = jaxdist.LocalCluster(num_workers=1, num_ps=1, metrics=False)
+    with cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         coord = jaxdist.ClusterCoordinator(strategy)
         assert coord.schedule(lambda: 41 + 1).fetch() == 42
@@ -147,3 +148,5 @@ def test_coordinator_shutdown_code_is_every_tasks_exit_code(how: str) -> None:
                 raise RuntimeError("the training script failed")
             expected = 1  # what `with ClusterCoordinator(...)` sends when its block raises
         assert cluster.wait_exit(30) == {"ps:0": expected, "worker:0": expected}
+    # The exits were awaited and judged here: a clean stop, so the cluster's own log folder is gone.
+    assert not os.path.exists(cluster.log_dir)

@@ -117,7 +117,7 @@ def test_link_reference_and_jaxdist_over_the_links(run: dict[str, Any]) -> None:
     rows = _summary(lines)
     names = ["noop_closures_per_s", f"pull_{SIZE_MB}MB_MBps", f"push_{SIZE_MB}MB_MBps", "mlp_steps_per_s"]
     assert list(rows) == names
-    for name, row in rows.items():
+    for row in rows.values():
         assert row["rate"] == RATE and row["rounds"] == 1
         assert isinstance(row["jaxdist_median"], float) and row["jaxdist_median"] > 0, row
         assert row["jaxdist_rounds"] == [row["jaxdist_median"]]

@@ -22,6 +22,7 @@ from jaxdist.cluster_resolver import SimpleClusterResolver
 from jaxdist.transport.credentials import Credentials
 from jaxdist.sync import coordination as co
 from jaxdist.sync._varying import varying_outputs
+from jaxdist.testing import poll_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,11 +201,15 @@ def test_state_restarted_process_fails_the_job() -> None:
 # -- coordination: real gRPC on loopback ---------------------------------------------------------------
 
 
-def _wait(pred: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
+class _CountingClient(co.CoordinationClient):
+    """Counts the heartbeats it has had answered."""
+
+    answered = 0
+
+    def heartbeat(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().heartbeat(*args, **kwargs)
+        self.answered += 1
+        return out
 
 
 def test_service_detects_a_silent_peer_and_tells_the_others() -> None:
@@ -214,7 +219,7 @@ def test_service_detects_a_silent_peer_and_tells_the_others() -> None:
     svc = co.CoordinationService(st, "127.0.0.1", 0, Credentials("tok"), on_failure=failures.append, check_interval_s=0.05)
     port = svc.start()
     addr = f"127.0.0.1:{port}"
-    clients = [co.CoordinationClient(addr, Credentials("tok"), "worker:0") for _ in range(3)]
+    clients = [_CountingClient(addr, Credentials("tok"), "worker:0") for _ in range(3)]
     senders: list[co.HeartbeatSender] = []
     try:
         for rank, c in enumerate(clients):
@@ -226,11 +231,12 @@ def test_service_detects_a_silent_peer_and_tells_the_others() -> None:
             h = co.HeartbeatSender(clients[rank], rank, f"inc{rank}", sink, interval_s=0.05, peer_timeout_s=0.6)
             h.start()
             senders.append(h)
-        time.sleep(0.3)
+        # Live peers are not failed: wait until both have been answered for over a peer timeout's worth.
+        poll_for(lambda: all(c.answered >= 15 for c in clients[1:]), 30, what="heartbeats of ranks 1 and 2")
         assert not failures
         senders[0].stop()  # worker:1 goes silent
         t0 = time.monotonic()
-        _wait(lambda: failures and client_failures, timeout=5)
+        poll_for(lambda: failures and client_failures, 5, what="the silent peer to be reported")
         assert time.monotonic() - t0 < 3
         assert failures[0].task == "worker:1" and failures[0].rank == 1
         assert isinstance(client_failures[0], co.PeerFailedError) and client_failures[0].rank == 1

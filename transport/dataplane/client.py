@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from jaxdist.transport.credentials import PLAINTEXT, Credentials
+from jaxdist.transport.credentials import PLAINTEXT, Credentials, tls_handshake
 from jaxdist.transport.dataplane.framing import (
     HELLO,
     HELLO_MAGIC,
@@ -132,7 +132,7 @@ class DataPlaneClient:
             tune(sock)
             sock.settimeout(max(0.001, deadline - time.monotonic()))
             if self._tls is not None:
-                sock = chan.sock = self._tls.wrap_socket(sock, server_hostname=self._server_hostname)
+                sock = chan.sock = tls_handshake(self._tls, sock, server_hostname=self._server_hostname)
             sock.sendall(HELLO.pack(HELLO_MAGIC, len(self._token)) + self._token)
             self._read_response(sock, deadline)
             if self._offer_shm:
@@ -250,7 +250,7 @@ class DataPlaneClient:
                 chan.recv_into(out, deadline)
             keep = True
             return body, out
-        except socket.timeout:
+        except TimeoutError:
             raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"data plane call to {self.host}:{self.port} timed out "
                             f"after {timeout:.1f}s") from None
         except (OSError, struct.error) as e:

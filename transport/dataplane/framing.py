@@ -116,7 +116,7 @@ def recv_into(sock: socket.socket, view: memoryview, deadline: float | None = No
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise socket.timeout("deadline exceeded")
+                raise TimeoutError("deadline exceeded")
             sock.settimeout(left)
         got = sock.recv_into(view[pos:], n - pos)
         if got == 0:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from jaxdist.base import errors as E
-from jaxdist.transport.credentials import PLAINTEXT, Credentials
+from jaxdist.transport.credentials import PLAINTEXT, Credentials, tls_handshake
 from jaxdist.transport.dataplane.framing import (
     HELLO,
     HELLO_MAGIC,
@@ -256,7 +256,7 @@ class DataPlaneServer:
             tune(conn)
             if self._tls is not None:
                 conn.settimeout(HELLO_TIMEOUT_S)
-                secure = self._tls.wrap_socket(conn, server_side=True)  # handshake; ``conn`` is detached
+                secure = tls_handshake(self._tls, conn, server_side=True)  # ``conn`` is detached
                 with self._lock:
                     self._conns.discard(conn)
                     self._conns.add(secure)

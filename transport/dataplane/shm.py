@@ -210,7 +210,7 @@ class Channel:
         total = sum(v.nbytes for v in views)
         if not self._shm(total):
             for v in views:
-                self.sock.sendall(memoryview(v))
+                self.sock.sendall(codec.as_memoryview(v))
             return
         assert self.region is not None
         self.settle(deadline)
@@ -252,7 +252,7 @@ class Channel:
         total = sum(v.nbytes for v in views)
         if not self._shm(total):
             for v in views:
-                recv_into(self.sock, memoryview(v), deadline)
+                recv_into(self.sock, codec.as_memoryview(v), deadline)
             return
         it = iter(views)
         dst, pos = next(it), 0
