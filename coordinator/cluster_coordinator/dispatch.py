@@ -36,7 +36,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -340,11 +340,11 @@ class Dispatcher:
             raise RuntimeError("the dispatcher was not started")
         return self._loop
 
-    def call(self, coro: Awaitable[T], timeout: float | None) -> T:
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Run ``coro`` on the loop and return its result (from any thread but the loop's)."""
         if self.on_loop:  # pragma: no cover - a bug: the loop would wait on itself
             raise RuntimeError("Dispatcher.call() from the dispatch loop")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)  # type: ignore[arg-type]
+        fut: concurrent.futures.Future[T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -358,8 +358,8 @@ class Dispatcher:
         else:
             self.loop.call_soon_threadsafe(fn, *args)
 
-    def _spawn(self, coro: Awaitable[T]) -> asyncio.Task[T]:
-        task = self.loop.create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        task: asyncio.Task[T] = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
