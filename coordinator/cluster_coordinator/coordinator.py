@@ -684,7 +684,8 @@ class ClusterCoordinator:
 
     # -------------------------------------------------------------- lifecycle
     def shutdown(self, exit_tasks: bool = True, exit_code: int = 0) -> None:
-        """Stop scheduling; with ``exit_tasks`` tell every worker and PS to exit (the job is over).
+        """Stop scheduling; with ``exit_tasks`` tell every worker and PS to exit (the job is over)
+        and close the strategy's PS connections (nothing is left to talk to).
 
         Queued closures are cancelled. Idempotent.
         """
@@ -702,6 +703,8 @@ class ClusterCoordinator:
                 self.strategy.shutdown_ps(reason, exit_code)
         finally:
             self._cluster.close()
+        if exit_tasks:
+            self.strategy.close()
         if self._metrics is not None:
             self._metrics.stop()
 

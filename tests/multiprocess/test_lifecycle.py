@@ -123,7 +123,8 @@ def test_ps_sigterm_mid_push_stream_drains_and_exits_0(tmp_path: Any) -> None:
     assert all(a == b for a, b in acked), acked
     first = min(a for a, _ in acked)
     assert sorted(a for a, _ in acked) == list(range(first, first + len(acked)))
-    log = open(log_path).read()
+    with open(log_path) as f:
+        log = f.read()
     final = re.search(r"ps:0 stopped \(exit 0\): pushes=(\d+) updates_applied=(\d+) duplicates=(\d+)", log)
     assert final is not None, log[-2000:]
     # Every acknowledged push is reflected, and nothing else was applied (refused pushes left no trace).

@@ -57,7 +57,7 @@ def test_nothing_left_when_coordinator_script_is_sigkilled(tmp_path) -> None:  #
     pids = [int(p) for p in line.split()[1:]]
     assert all(_alive(p) for p in pids)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.communicate()  # waits and closes the pipe
     poll_for(lambda: not any(_alive(p) for p in pids), 10, what="tasks to die with their launcher")
 
 
@@ -142,11 +142,12 @@ def test_task_command_reads_tf_config(tmp_path) -> None:  # type: ignore[no-unty
         assert c.status().role == "ps"
         c.shutdown("job finished", 0)
         c.close()
-        assert proc.wait(30) == 0
+        proc.communicate(timeout=30)  # waits and closes both pipes
+        assert proc.returncode == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+        proc.communicate()
 
 
 @pytest.mark.slow
