@@ -213,6 +213,10 @@ class _SharedLoop:
             if self.loop is None:
                 self.loop = asyncio.new_event_loop()
             if self._users == 0:
+                if self._thread is not None:  # the last release timed out waiting for it to stop
+                    self._thread.join(5.0)
+                    if self._thread.is_alive():
+                        raise RuntimeError("the previous dispatch loop thread has not stopped")
                 started = threading.Event()
                 self.loop.call_soon_threadsafe(started.set)
                 self._thread = threading.Thread(target=self._run, name="jaxdist-dispatch", daemon=True)
@@ -229,6 +233,9 @@ class _SharedLoop:
                 return
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout)
+            if self._thread.is_alive():  # the next acquire waits for it (one thread runs the loop)
+                logger.warning("dispatch loop thread still running %.0fs after it was asked to stop", timeout)
+                return
             self._thread = None
             self.ident = None
 
