@@ -23,6 +23,10 @@ Measurements per worker count N (``--measure``, default all):
            RST). Times from the signal to: all 100 rows unhealthy, the last re-run closure started
            on a survivor, join() returned; both counters must end exact (each = closures scheduled).
            With N >= 200 the victim is host 0; below, the 100 workers that joined in "join"
+  kills2   (N >= 300) exactly --kills2-closures (2,000) closures of the "failure" kind, blocking on the
+           workers of two 100-worker hosts; host A is SIGKILLed, then (once A's closures have run again
+           elsewhere) host B. Per kill: seconds to all 100 declared failed and to the last re-run of its
+           closures started; both counters must end exactly at the number of closures
   join     a host process of 100 workers registers all at once through serve_registration() while
            the others are kept busy (a feeder keeps short closures queued): times from its ready line
            to all 100 registered, all healthy, all having finished a closure
@@ -51,7 +55,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-MEASUREMENTS = ("startup", "idle", "noop", "pull", "failure", "join", "detect")
+MEASUREMENTS = ("startup", "idle", "noop", "pull", "failure", "join", "kills2", "detect")
 HOST_ENV = {"JAXDIST_SHM": "0"}
 _CLK = os.sysconf("SC_CLK_TCK")
 _out: Any = None
@@ -144,6 +148,13 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, interval
             raise TimeoutError(f"{what}: not within {timeout:.0f}s")
         time.sleep(interval)
     return time.monotonic() - t0
+
+
+def none_healthy(c: Any, rows: list[int]) -> bool:
+    """Whether none of ``rows`` is healthy, from one status() snapshot: status() builds every row
+    (O(workers)), and polling it per row would take the coordinator's CPU it is timing."""
+    status = c.coord.status()
+    return not any(status[i]["healthy"] for i in rows)
 
 
 def failures(c: Any) -> int:
@@ -480,6 +491,7 @@ def measure_failure(c: ScaleCluster, victim: Any) -> None:
     closure = _make_failure_closure(counters["started"], counters["held"], counters["done"], frozenset(rows),
                                     a.phase_timeout)
     rvs: list[Any] = []
+    k_before = c.coord.closure_counts  # its figures count since the coordinator started
     t0 = time.monotonic()
     # Survivors finish their closures at once and may drain the queue before a victim asks: top it
     # up until every victim worker holds one.
@@ -490,11 +502,19 @@ def measure_failure(c: ScaleCluster, victim: Any) -> None:
         with contextlib.suppress(TimeoutError):
             wait_until(lambda: int(counters["held"].numpy()) >= len(rows), 2.0, "victims hold closures", 0.05)
     t_held = time.monotonic() - t0
+    # The survivors finish the backlog first: what starts after the kill is then only the re-runs
+    # of what the victims held (else "last re-run" would time the backlog too).
+    k_start_finished = k_before.finished
+
+    def settled() -> bool:
+        k = c.coord.closure_counts
+        return k.queued == 0 and (k.finished - k_start_finished) + k.running == len(rvs)
+
+    wait_until(settled, a.phase_timeout, "survivors to finish the backlog", 0.05)
     sig = signal.SIGKILL if a.failure_mode == "kill" else signal.SIGSTOP
     wall_kill, t_kill = time.time(), time.monotonic()
     os.kill(victim.pid, sig)
-    status = c.coord.status
-    t_declared = wait_until(lambda: not any(status()[i]["healthy"] for i in rows), a.phase_timeout, "victims declared failed", 0.01)
+    t_declared = wait_until(lambda: none_healthy(c, rows), a.phase_timeout, "victims declared failed", 0.02)
     c.coord.join(timeout=a.phase_timeout)
     t_join = time.monotonic() - t_kill
     results = [rv.fetch() for rv in rvs]
@@ -509,6 +529,65 @@ def measure_failure(c: ScaleCluster, victim: Any) -> None:
          false_failures=sum(r["failures"] for i, r in enumerate(c.coord.status()) if i not in rows) - others0)
 
 
+def _kill_and_rerun(c: ScaleCluster, host: Any, victim_rows: list[int]) -> dict[str, Any]:
+    """SIGKILL ``host``; seconds until its rows are all unhealthy and until every closure it held
+    (counted by the queue as retried) has finished again elsewhere."""
+    a = c.args
+    k0 = c.coord.closure_counts
+    wall, t0 = time.time(), time.monotonic()
+    os.kill(host.pid, signal.SIGKILL)
+    t_declared = wait_until(lambda: none_healthy(c, victim_rows), a.phase_timeout, "victims declared failed", 0.02)
+
+    def rerun_done() -> bool:
+        k = c.coord.closure_counts
+        retried = k.retried - k0.retried
+        return retried > 0 and k.queued == 0 and k.finished - k0.finished >= retried
+
+    wait_until(rerun_done, a.phase_timeout, "the killed host's closures to run again", 0.01)
+    return {"wall": wall, "declared_s": round(t_declared, 3), "reruns_finished_s": round(time.monotonic() - t0, 3),
+            "closures_retried": c.coord.closure_counts.retried - k0.retried}
+
+
+def measure_kills2(c: ScaleCluster, hosts: list[Any]) -> None:
+    """An exact counter of ``--kills2-closures`` closures through two SIGKILLs of 100-worker hosts."""
+    import jaxdist
+
+    a = c.args
+    c.coord.join()
+    total = a.kills2_closures
+    with c.strategy.scope():
+        counters = {k: jaxdist.create_variable(np.zeros((), np.int64), name=f"kills2_{k}") for k in ("started", "held", "done")}
+    by_address = {r["address"]: i for i, r in enumerate(c.coord.status()) if not r["left"]}
+    rows = [[by_address[ad] for ad in h.addresses] for h in hosts]
+    others = [i for i in range(len(c.coord.status())) if i not in set(rows[0] + rows[1])]
+    status = c.coord.status()
+    f0 = sum(status[i]["failures"] for i in others)
+    closure = _make_failure_closure(counters["started"], counters["held"], counters["done"],
+                                    frozenset(rows[0] + rows[1]), a.phase_timeout)
+    k_start = c.coord.closure_counts  # its figures count since the coordinator started
+    rvs = [c.coord.schedule(closure) for _ in range(total)]
+
+    # Every victim that took a batch is blocked in its first closure; everything else has finished.
+    def settled() -> bool:
+        k = c.coord.closure_counts
+        return k.queued == 0 and k.running > 0 and (k.finished - k_start.finished) + k.running == total
+
+    wait_until(settled, a.phase_timeout, "survivors to finish the rest", 0.05)
+    held = int(counters["held"].numpy())
+    kills = [_kill_and_rerun(c, h, victim_rows) for h, victim_rows in zip(hosts, rows)]
+    c.coord.join(timeout=a.phase_timeout)
+    starts = [t for (_, t) in (rv.fetch() for rv in rvs)]
+    for i, k in enumerate(kills):
+        until = kills[i + 1]["wall"] if i + 1 < len(kills) else float("inf")
+        mine = [t for t in starts if k["wall"] < t < until]
+        k["last_rerun_started_s"] = round(max(mine) - k["wall"], 3) if mine else None
+        del k["wall"]
+    got = {k: int(v.numpy()) for k, v in counters.items()}
+    emit(kind="kills2", workers=c.n, closures=total, victims_holding=held, kills=kills, started=got["started"],
+         done=got["done"], exact=got["started"] == got["done"] == total,
+         false_failures=sum(r["failures"] for i, r in enumerate(c.coord.status()) if i in set(others)) - f0)
+
+
 def measure_detect(c: ScaleCluster, victim: Any) -> None:
     """Nothing queued: SIGKILL (or SIGSTOP) a host of idle workers; seconds until all its rows are
     unhealthy. Idle workers hold no call that a connection reset could fail, so this is the
@@ -519,8 +598,7 @@ def measure_detect(c: ScaleCluster, victim: Any) -> None:
     f0 = sum(r["failures"] for i, r in enumerate(c.coord.status()) if i not in rows)
     sig = signal.SIGKILL if a.failure_mode == "kill" else signal.SIGSTOP
     os.kill(victim.pid, sig)
-    status = c.coord.status
-    t_declared = wait_until(lambda: not any(status()[i]["healthy"] for i in rows), a.phase_timeout, "victims declared failed", 0.01)
+    t_declared = wait_until(lambda: none_healthy(c, rows), a.phase_timeout, "victims declared failed", 0.02)
     if sig == signal.SIGSTOP:
         victim.kill()
     emit(kind="detect", workers=c.n, killed=len(rows), mode=a.failure_mode, all_declared_failed_s=round(t_declared, 3),
@@ -576,16 +654,16 @@ def measure_join(c: ScaleCluster) -> Any:
             latest = {r["address"]: r for r in c.coord.status() if r["address"] in mine}
             return list(latest.values())
 
-        wait_until(lambda: len(rows()) == 100, a.phase_timeout, "100 registered", 0.01)
+        wait_until(lambda: len(rows()) == 100, a.phase_timeout, "100 registered", 0.05)
         t_reg = time.monotonic() - t0  # from the ready line (registration starts right after it)
-        wait_until(lambda: all(r["healthy"] for r in rows()), a.phase_timeout, "100 healthy", 0.01)
+        wait_until(lambda: all(r["healthy"] for r in rows()), a.phase_timeout, "100 healthy", 0.05)
         t_healthy = time.monotonic() - t0
 
         def working() -> int:
             return sum(r["closures_done"] > done_before.get(r["address"], 0) for r in rows())
 
         try:
-            wait_until(lambda: working() == 100, a.join_work_timeout, "100 working", 0.01)
+            wait_until(lambda: working() == 100, a.join_work_timeout, "100 working", 0.05)
             t_working: float | None = time.monotonic() - t0
         except TimeoutError:
             t_working = None
@@ -640,6 +718,8 @@ def run_size(n: int, args: argparse.Namespace) -> None:
         if "join" in args.measure:
             with profiled(args, n, "join", args.profile_seconds):
                 joined = measure_join(c)
+        if "kills2" in args.measure and n >= 300:
+            measure_kills2(c, c.hosts[-2:])
         if "failure" in args.measure and n < 200:
             if joined is None:
                 joined = c.add_host(100, register=True)
@@ -665,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--failure-mode", choices=("kill", "stop"), default="kill",
                     help="kill: SIGKILL the host (loopback sends RST); stop: SIGSTOP it (a frozen host, no RST)")
+    ap.add_argument("--kills2-closures", type=int, default=2000, help="closures of the two-kill counter run")
     ap.add_argument("--feeder-closure-s", type=float, default=0.05, help="seconds each feeder closure sleeps in 'join'")
     ap.add_argument("--phase-timeout", type=float, default=300.0)
     ap.add_argument("--noop-budget-s", type=float, default=120.0,

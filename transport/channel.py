@@ -69,10 +69,17 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.service_config", SERVICE_CONFIG),
         ("grpc.enable_retries", 1),
-        # Fail fast and reconnect quickly after a peer restarts at the same address.
+        # Reconnect quickly after a peer restarts at the same address (a refused connection is
+        # retried after 0.1 s, backing off to 1 s).
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # gRPC core reads this one as the *minimum connect timeout*: how long one connection
+        # attempt may take to get the server's HTTP/2 SETTINGS. At 100 ms (it was set with the
+        # backoffs above) a busy server fails attempts that are merely slow: 1,000 simulated
+        # workers connecting to one PS at once on a loaded machine got PSUnavailableError
+        # ("connection attempt timed out before receiving SETTINGS frame"). A refused
+        # connection still fails at once; every call has its own deadline anyway.
+        ("grpc.min_reconnect_backoff_ms", 5_000),
         # Detect a silently dead peer in ~8 s even mid-call (no RST arrives from a frozen host).
         ("grpc.keepalive_time_ms", 5_000),
         ("grpc.keepalive_timeout_ms", 3_000),

@@ -167,14 +167,26 @@ class Closure:
 
 
 class ClosureQueue:
-    """Thread-safe queue of closures with TF's error and cancellation semantics."""
+    """Thread-safe queue of closures with TF's error and cancellation semantics.
+
+    Consumers do not block here: the dispatcher takes closures with
+    :meth:`take` when its listener (:meth:`set_listener`) says some may have
+    become available, so no thread ever waits per worker. The only threads
+    that wait are the user's (``put`` on a full queue, ``wait``/``pause``/
+    ``raise_if_error``), and each is woken only when its own condition may
+    have changed (room freed; nothing running; an error; a stop).
+    """
 
     def __init__(self, max_size: int = DEFAULT_MAX_QUEUED) -> None:
         self._max_size = max_size
         self._queue: collections.deque[Closure] = collections.deque()
-        self._tagged: dict[int, collections.deque[Closure]] = collections.defaultdict(collections.deque)
+        # Tagged closures per worker; only non-empty deques are kept (the dispatcher scans the keys).
+        self._tagged: dict[int, collections.deque[Closure]] = {}
+        self._n_tagged = 0
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)  # put() waiting for room
+        self._settled = threading.Condition(self._lock)  # wait/pause/raise_if_error: nothing running, or an error
+        self._listener: Callable[[], None] | None = None
         self._inflight = 0
         self._error: BaseException | None = None
         self._stopped = False
@@ -184,86 +196,114 @@ class ClosureQueue:
         self.failed = 0
         self.retried = 0
 
+    def set_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call ``listener()`` (from any thread, outside the queue's lock) whenever closures may
+        have become available to :meth:`take`: one was queued or re-queued, dispatch was resumed
+        or released. It must be cheap and must not block (the dispatcher's wake-up)."""
+        self._listener = listener
+
+    def _available(self) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener()
+
     # --------------------------------------------------------------- producers
     def put(self, closure: Closure) -> None:
-        with self._cond:
+        with self._lock:
             while len(self._queue) >= self._max_size and not self._stopped and self._error is None:
-                self._cond.wait()
-            if self._error is not None:
+                self._room.wait()
+            if self._error is not None or self._stopped:
                 self._cancel(closure)
                 return
             self._queue.append(closure)
-            self._cond.notify_all()
+        self._available()
 
     def put_tagged(self, worker: int, closure: Closure) -> None:
-        with self._cond:
+        with self._lock:
             closure.tag = worker
-            self._tagged[worker].append(closure)
-            self._cond.notify_all()
+            self._tagged.setdefault(worker, collections.deque()).append(closure)
+            self._n_tagged += 1
+        self._available()
 
     def put_tagged_front(self, worker: int, closures: list[Closure]) -> None:
         """Queue ``closures`` for ``worker`` ahead of its other tagged closures, in order."""
-        with self._cond:
-            q = self._tagged[worker]
+        if not closures:
+            return
+        with self._lock:
+            q = self._tagged.setdefault(worker, collections.deque())
             for c in reversed(closures):
                 c.tag = worker
                 q.appendleft(c)
-            self._cond.notify_all()
+            self._n_tagged += len(closures)
+        self._available()
 
     def drop_tagged(self, worker: int) -> list[Closure]:
         """Remove the closures tagged for ``worker`` (it left); returns them."""
-        with self._cond:
+        with self._lock:
             dropped = list(self._tagged.pop(worker, ()))
-            self._cond.notify_all()
+            self._n_tagged -= len(dropped)
             return dropped
 
     # --------------------------------------------------------------- consumers
-    def get(self, worker: int, max_n: int = 1, timeout: float | None = None) -> list[Closure]:
-        """Up to ``max_n`` closures for ``worker`` (tagged first); [] after ``timeout``."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._stopped:
-                    return []
-                if self._paused or self._held:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        return []
-                    self._cond.wait(left)
-                    continue
-                tagged = self._tagged.get(worker)
-                if tagged:
-                    # Resource closures go alone: later closures may need the resource.
-                    batch = [tagged.popleft()]
-                    self._inflight += 1
-                    return batch
-                if self._queue:
-                    batch = []
-                    while self._queue and len(batch) < max_n:
-                        batch.append(self._queue.popleft())
-                    self._inflight += len(batch)
-                    self._cond.notify_all()
-                    return batch
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return []
-                self._cond.wait(left)
+    def take(self, worker: int, max_n: int = 1) -> list[Closure]:
+        """Up to ``max_n`` closures for ``worker``, at once: its tagged closure first (alone),
+        else untagged ones; [] when there is none or dispatch is paused, held or stopped.
+        What is returned counts as running until it is marked finished, failed or re-queued."""
+        with self._lock:
+            if self._stopped or self._paused or self._held:
+                return []
+            tagged = self._tagged.get(worker)
+            if tagged:
+                # Resource closures go alone: later closures may need the resource.
+                batch = [tagged.popleft()]
+                self._n_tagged -= 1
+                if not tagged:
+                    del self._tagged[worker]
+                self._inflight += 1
+                return batch
+            q = self._queue
+            if not q:
+                return []
+            full = len(q) >= self._max_size
+            if max_n == 1:
+                batch = [q.popleft()]
+            else:
+                batch = [q.popleft() for _ in range(min(max_n, len(q)))]
+            self._inflight += len(batch)
+            if full:
+                self._room.notify(len(batch))
+            return batch
+
+    def tagged_workers(self) -> list[int]:
+        """Workers that have tagged (per-worker resource) closures queued."""
+        with self._lock:
+            return list(self._tagged)
+
+    def has_untagged(self) -> bool:
+        return bool(self._queue)
+
+    def _settle_check(self) -> None:
+        # Under the lock. Waiters want: nothing running (pause, raise_if_error), nothing queued or
+        # running (wait), an error, or a stop; wake them only then, not for every finished batch.
+        if self._inflight == 0 or self._error is not None or self._stopped:
+            self._settled.notify_all()
 
     def mark_finished(self, n: int = 1) -> None:
-        with self._cond:
+        with self._lock:
             self._inflight -= n
             self.finished += n
-            self._cond.notify_all()
+            self._settle_check()
 
     def mark_failed(self, error: BaseException) -> None:
         """A running closure failed with a non-retryable error."""
-        with self._cond:
+        with self._lock:
             self._inflight -= 1
             self.failed += 1
             if self._error is None:
                 self._error = error
                 self._cancel_all_queued()
-            self._cond.notify_all()
+                self._room.notify_all()
+            self._settle_check()
 
     def retry(self, closure: Closure) -> None:
         """Re-queue a running closure whose worker failed before reporting it: a new attempt."""
@@ -274,19 +314,23 @@ class ClosureQueue:
         self._requeue(closure, new_attempt=False)
 
     def _requeue(self, closure: Closure, new_attempt: bool) -> None:
-        with self._cond:
+        with self._lock:
             self._inflight -= 1
-            if self._error is not None or self._stopped:
+            requeued = self._error is None and not self._stopped
+            if not requeued:
                 self._cancel(closure)
             else:
                 if new_attempt:
                     closure.attempt += 1
                     self.retried += 1
                 if closure.tag is not None:
-                    self._tagged[closure.tag].appendleft(closure)
+                    self._tagged.setdefault(closure.tag, collections.deque()).appendleft(closure)
+                    self._n_tagged += 1
                 else:
                     self._queue.appendleft(closure)
-            self._cond.notify_all()
+            self._settle_check()
+        if requeued:
+            self._available()
 
     # ------------------------------------------------------------------- error
     def _cancel(self, closure: Closure) -> None:
@@ -301,15 +345,16 @@ class ClosureQueue:
         for q in self._tagged.values():
             for c in q:
                 self._cancel(c)
-            q.clear()
+        self._tagged.clear()
+        self._n_tagged = 0
 
     def raise_if_error(self) -> None:
         """Raise the recorded error once (after running closures finished), then clear it."""
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 return
             while self._inflight > 0 and not self._stopped:
-                self._cond.wait()
+                self._settled.wait()
             err, self._error = self._error, None
         raise err
 
@@ -322,30 +367,31 @@ class ClosureQueue:
         Returns False if ``timeout`` passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             # Tagged (per-worker resource) closures still queued do not hold join(): they wait for
             # their worker, which may be down; once a worker takes one it counts as running.
             while (self._queue or self._inflight > 0) and self._error is None and not self._stopped:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
+                self._settled.wait(left)
         self.raise_if_error()
         return True
 
     def done(self) -> bool:
         """True when nothing is queued or running; raises a recorded error."""
         self.raise_if_error()
-        with self._cond:
+        with self._lock:
             return not self._queue and self._inflight == 0
 
     def fail_all(self, error: BaseException) -> None:
         """Record ``error`` (if none is) and cancel everything queued; it surfaces from join/schedule/done."""
-        with self._cond:
+        with self._lock:
             if self._error is None:
                 self._error = error
                 self._cancel_all_queued()
-            self._cond.notify_all()
+            self._room.notify_all()
+            self._settled.notify_all()
 
     def pause(self, timeout: float | None = None) -> bool:
         """Stop handing out closures and wait until none is running (a quiet point); nestable.
@@ -354,26 +400,29 @@ class ClosureQueue:
         (the queue stays paused; call :meth:`resume`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._paused += 1
             while self._inflight > 0 and not self._stopped:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._cond.wait(left)
+                self._settled.wait(left)
             return True
 
     def resume(self) -> None:
         """Undo one :meth:`pause`."""
-        with self._cond:
+        with self._lock:
             self._paused = max(0, self._paused - 1)
-            self._cond.notify_all()
+            resumed = self._paused == 0
+        if resumed:
+            self._available()
 
     def set_held(self, held: bool) -> None:
         """Hold (True) or release dispatch; closures running go on. Not nested: a level."""
-        with self._cond:
+        with self._lock:
             self._held = held
-            self._cond.notify_all()
+        if not held:
+            self._available()
 
     @property
     def held(self) -> bool:
@@ -382,20 +431,19 @@ class ClosureQueue:
     @property
     def dispatching(self) -> bool:
         """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped."""
-        with self._cond:
-            return not (self._paused or self._held or self._stopped)
+        return not (self._paused or self._held or self._stopped)
 
     def stop(self) -> None:
         """Cancel everything queued and wake every waiter (coordinator shutdown)."""
-        with self._cond:
+        with self._lock:
             self._stopped = True
             self._cancel_all_queued()
-            self._cond.notify_all()
+            self._room.notify_all()
+            self._settled.notify_all()
 
     @property
     def queued(self) -> int:
-        with self._cond:
-            return len(self._queue) + sum(len(q) for q in self._tagged.values())
+        return len(self._queue) + self._n_tagged
 
     @property
     def inflight(self) -> int:

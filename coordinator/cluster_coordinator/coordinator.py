@@ -17,17 +17,19 @@ Contract (what users may rely on):
   :class:`jaxdist.base.errors.CancelledError`); the next ``schedule``/``join``/
   ``done`` waits for running closures to finish and raises the error once.
   An unreachable PS surfaces the same way as :class:`PSUnavailableError`.
-- **Workers** are detected dead by heartbeats (``failure_timeout`` seconds
-  without an answer) as well as by failed calls; their in-flight closures go
-  back to the queue, and the worker is reconfigured (its per-worker datasets
+- **Workers** are detected dead by failed calls, by a connection that drops
+  and does not come back, and by heartbeats (a worker that has answered
+  nothing for its probe interval is sent one; unanswered for
+  ``failure_timeout`` seconds, it is dead); their in-flight closures go back
+  to the queue, and the worker is reconfigured (its per-worker datasets
   rebuilt) when it answers again, at the same address.
 
 This module is the facade (:class:`ClusterCoordinator`) and the membership
 (:class:`Cluster`: which workers take part, the per-worker resources each
 must hold, and carrying out the failure handler's decisions on them, as TF's
 ``Cluster``). The rest of the role lives beside it:
-:mod:`~jaxdist.cluster_coordinator.dispatch` (per-worker handles and their
-threads), :mod:`~jaxdist.cluster_coordinator.failure_handler` (what every
+:mod:`~jaxdist.cluster_coordinator.dispatch` (every call to the workers, on
+one event loop: closures, heartbeats, configuration), :mod:`~jaxdist.cluster_coordinator.failure_handler` (what every
 failure means, sans-IO), :mod:`~jaxdist.cluster_coordinator.ps_recovery`
 (the PS watcher), :mod:`~jaxdist.cluster_coordinator.datasets` (per-worker
 datasets, the data ledger), :mod:`~jaxdist.cluster_coordinator.servicer`
@@ -36,6 +38,7 @@ datasets, the data ledger), :mod:`~jaxdist.cluster_coordinator.servicer`
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import itertools
 import json
@@ -52,12 +55,12 @@ from jaxdist.base.monitoring import MetricsExporter
 from jaxdist.cluster_coordinator import failure_handler as fh
 from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
 from jaxdist.cluster_coordinator.datasets import DataLedger, ExactlyOnceDataset, PerWorkerDataset, assign_ledger_positions
-from jaxdist.cluster_coordinator.dispatch import DispatchSettings, WorkerHandle
-from jaxdist.cluster_coordinator.failure_handler import FailureHandler, PSMode
+from jaxdist.cluster_coordinator.dispatch import Dispatcher, DispatchSettings, WorkerHandle
+from jaxdist.cluster_coordinator.failure_handler import DEFAULT_FORGET_AFTER, DEFAULT_MAX_PROBE_RATE, FailureHandler, PSMode
 from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
 from jaxdist.cluster_coordinator.ps_recovery import PSWatcher
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues, RemoteValue
-from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer
+from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer, check_worker_address
 from jaxdist.cluster_coordinator.sync_barrier import StepBarrier, turn_off
 from jaxdist.proto import worker_pb2
 from jaxdist.transport import rpc
@@ -74,9 +77,15 @@ __all__ = ["Cluster", "ClusterCoordinator", "ClosureCounts", "DEFAULT_CLOSURES_P
 #: (~0.3 ms of Python on each side) over several tiny closures.
 DEFAULT_CLOSURES_PER_RPC = 16
 
-#: Seconds shutdown waits for each worker's threads, and a departing worker's.
+#: Seconds shutdown waits for the calls in flight to be cancelled, and a departing worker's call.
 _JOIN_TIMEOUT_S = 5.0
 _LEAVE_JOIN_TIMEOUT_S = 10.0
+#: Threads of the registration service: a RegisterWorker waits (up to ADMIT_TIMEOUT_S) for its
+#: probe of the address on the dispatch loop, so a host of 100 workers joining at once is admitted
+#: 64 at a time instead of 16; the pool is the cap on what registrations can hold.
+_REGISTRATION_THREADS = 64
+#: Seconds the coordinator gives its workers to take note of a Shutdown.
+_SHUTDOWN_CALL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -106,10 +115,11 @@ def _check_args(structure: Any) -> bool:
 class Cluster:
     """The coordinator's workers and what keeps them working: membership, dispatch, failures.
 
-    Owns the closure queue, the failure handler, one :class:`WorkerHandle`
-    per worker slot, the per-worker resources every worker must hold and the
-    PS watcher; carries out the failure handler's decisions (it is the
-    handles' and the watcher's host). Built and driven by
+    Owns the closure queue, the failure handler, the dispatcher (one event
+    loop for every call to every worker), one :class:`WorkerHandle` per
+    worker slot, the per-worker resources every worker must hold and the PS
+    watcher; carries out the failure handler's decisions (it is the
+    dispatcher's and the watcher's host). Built and driven by
     :class:`ClusterCoordinator`; users never see it.
     """
 
@@ -120,10 +130,14 @@ class Cluster:
         settings: DispatchSettings,
         queue: ClosureQueue,
         run_id: str,
+        *,
+        max_probe_rate: float = DEFAULT_MAX_PROBE_RATE,
+        forget_after: float = DEFAULT_FORGET_AFTER,
     ) -> None:
         self.strategy = strategy
         self.queue = queue
-        self.failures = FailureHandler(settings.failure_timeout)
+        self.failures = FailureHandler(settings.failure_timeout, heartbeat_interval=settings.heartbeat_interval,
+                                       max_probe_rate=max_probe_rate, forget_after=forget_after)
         self.run_id = run_id
         self._settings = settings
         self._credentials = strategy.credentials
@@ -136,6 +150,7 @@ class Cluster:
         self._resources: list[tuple[int, Callable[[int], Closure]]] = []
         self._resource_ids = itertools.count(1)
         self._membership_lock = threading.Lock()
+        self.dispatcher = Dispatcher(queue, self.failures, settings, self, self._credentials)
         self._workers: list[WorkerHandle] = [self._new_handle(i, a) for i, a in enumerate(addresses)]
         self._active = len(self._workers)  # workers not departed (changed under the membership lock)
         self._leaving: set[int] = set()  # being removed (under the membership lock)
@@ -145,10 +160,9 @@ class Cluster:
         if strategy.staleness is not None:
             self.steps = StepBarrier(strategy.connections, strategy.staleness, queue)
 
-    def _new_handle(self, index: int, address: str) -> WorkerHandle:
-        self.failures.add_worker(index)
-        return WorkerHandle(index, address, self._credentials, queue=self.queue, failures=self.failures,
-                            settings=self._settings, host=self)
+    def _new_handle(self, index: int, address: str, elastic: bool = False) -> WorkerHandle:
+        self.failures.add_worker(index, elastic=elastic)
+        return WorkerHandle(index, address, self._credentials, elastic=elastic)
 
     def start(self) -> None:
         if self.steps is not None:
@@ -158,8 +172,10 @@ class Cluster:
         else:
             # A synchronous coordinator of these PS tasks may have died without turning its steps off.
             turn_off(self.strategy.connections)
+        self.queue.set_listener(self.dispatcher.kick)
+        self.dispatcher.start()
         for w in list(self._workers):
-            w.start()
+            self.dispatcher.add(w)
 
     def watch_ps(self, watcher: PSWatcher) -> None:
         """Start ``watcher`` (the failure handler's PS mode is set): PS decisions go to it."""
@@ -167,18 +183,29 @@ class Cluster:
         watcher.start()
 
     def stop(self) -> list[WorkerHandle]:
-        """Stop the PS watcher and every handle's threads (the queue is stopped first); returns the
-        handles of the workers still taking part (to tell them the job is over, then close them)."""
+        """Stop the PS watcher and dispatching (the queue is stopped first: calls in flight are
+        cancelled, their closures with them); returns the handles of the workers still taking part
+        (to tell them the job is over, then :meth:`close`)."""
         if self.ps_watcher is not None:
             self.ps_watcher.stop()
         if self.steps is not None:
             self.steps.stop()
-        workers = list(self._workers)
-        for w in workers:
-            w.stop()
-        for w in workers:
-            w.join(timeout=_JOIN_TIMEOUT_S)
-        return [w for w in workers if not self.failures.worker_status(w.index).left]
+        try:
+            self.dispatcher.quiesce(timeout=_JOIN_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("calls in flight not settled within %.0fs of shutdown", _JOIN_TIMEOUT_S)
+        return [w for w in list(self._workers) if not self.failures.worker_status(w.index).left]
+
+    def shutdown_workers(self, handles: Sequence[WorkerHandle], reason: str, exit_code: int) -> None:
+        """Tell ``handles``' workers that the job is over, all at once (unreachable ones are skipped)."""
+        try:
+            self.dispatcher.shutdown_workers(handles, reason, exit_code, timeout=_SHUTDOWN_CALL_S)
+        except TimeoutError:
+            logger.warning("not every worker was told of the shutdown in time")
+
+    def close(self) -> None:
+        """Close every channel and end the dispatch loop (after :meth:`stop`)."""
+        self.dispatcher.stop()
 
     # ------------------------------------------------------------------ views
     @property
@@ -201,38 +228,70 @@ class Cluster:
         return [w for w in list(self._workers) if not self.failures.worker_status(w.index).left]
 
     # ------------------------------------------------------------- membership
-    def add_worker(self, address: str) -> int:
-        """See :meth:`ClusterCoordinator.add_worker`."""
+    def add_worker(self, address: str, elastic: bool = False) -> int:
+        """See :meth:`ClusterCoordinator.add_worker` (``elastic``: it joined through registration)."""
         with self._membership_lock:
             index = self.active_worker_index(address)
             if index is not None:
                 return index
-            w = self._new_handle(len(self._workers), address)
+            w = self._new_handle(len(self._workers), address, elastic)
             self._workers.append(w)
             self._active += 1
         logger.info("worker:%d joined at %s", w.index, address)
-        w.start()
+        self.dispatcher.add(w)
         return w.index
 
-    def remove_worker(self, index: int) -> None:
-        """See :meth:`ClusterCoordinator.remove_worker`."""
+    def register_worker(self, address: str) -> int:
+        """A worker asks to join through the registration service: its address must be a
+        ``host:port`` the coordinator can dial and where a jaxdist worker answers (probed once,
+        on a channel of its own), else it is refused and costs nothing more. An address already
+        active answers its index. Raises InvalidRequestError / WorkerUnavailableError."""
+        address = check_worker_address(address, own=self.registration_address)
+        index = self.active_worker_index(address)
+        if index is not None:
+            return index
+        self.dispatcher.admit(address)
+        return self.add_worker(address, elastic=True)
+
+    def remove_worker(self, index: int, wait: bool = True) -> None:
+        """See :meth:`ClusterCoordinator.remove_worker` (``wait=False``: return at once, the
+        removal finishes on the dispatch loop)."""
         with self._membership_lock:
             w = self._workers[index]
             if index in self._leaving or self.failures.worker_status(index).left:
                 return
             self._leaving.add(index)
         logger.info("worker:%d (%s) leaves", index, w.address)
-        w.stop()
-        w.join(timeout=_LEAVE_JOIN_TIMEOUT_S)
+        # First: it takes nothing more, and its call cancelled now is not counted as its failure.
+        self.failures.remove_worker(index)
+        removing = self.dispatcher.remove(w)
+        if removing is None or not wait:
+            self._removed(w)
+            return
+        try:
+            removing.result(_LEAVE_JOIN_TIMEOUT_S)
+        except concurrent.futures.TimeoutError:
+            logger.warning("worker:%d: its call in flight did not settle within %.0fs", index, _LEAVE_JOIN_TIMEOUT_S)
+        self._removed(w)
+
+    def _forget(self, index: int) -> None:
+        """The failure handler forgot worker ``index`` (marked left there): drop it here too."""
         with self._membership_lock:
-            self.failures.remove_worker(index)
+            if index in self._leaving:
+                return
+            self._leaving.add(index)
+        w = self._workers[index]
+        self.dispatcher.remove(w)
+        self._removed(w)
+
+    def _removed(self, w: WorkerHandle) -> None:
+        with self._membership_lock:
             self._active -= 1
-            self._leaving.discard(index)
+            self._leaving.discard(w.index)
         if self.steps is not None:
-            self.steps.worker_failed(index)  # steps no longer wait for it
-        self.queue.drop_tagged(index)
-        w.close()
-        logger.info("worker:%d (%s) left", index, w.address)
+            self.steps.worker_failed(w.index)  # steps no longer wait for it
+        self.queue.drop_tagged(w.index)
+        logger.info("worker:%d (%s) left", w.index, w.address)
 
     def active_worker_index(self, address: str) -> int | None:
         """The index of the active worker serving at ``address`` (not departed or leaving), or None."""
@@ -242,13 +301,15 @@ class Cluster:
         return None
 
     def reconfigure_workers(self, timeout: float) -> None:
-        """Send every active worker its current configuration; one that does not answer gets it
-        when it is next recovered."""
-        for w in self.active_handles():
-            try:
-                w.configure(timeout=timeout)
-            except E.JaxdistError as e:
-                logger.info("%s not reconfigured yet: %s", w.task, e)
+        """Send every active worker its current configuration, all at once (the dispatch loop, at
+        most 64 calls in flight); one that does not answer gets it when it is next recovered."""
+        try:
+            failed = self.dispatcher.configure_all(self.active_handles(), timeout)
+        except TimeoutError:
+            logger.warning("not every worker was reconfigured within %.0fs; the rest are when next recovered", timeout)
+            return
+        for w, code in failed:
+            logger.info("%s not reconfigured yet: %s", w.task, code.name)
 
     # --------------------------------------------------- per-worker resources
     def create_per_worker_resource(self, fn: Callable[..., Any], args: tuple[Any, ...], has_pw: bool) -> PerWorkerResourceValues:
@@ -285,11 +346,16 @@ class Cluster:
     def apply(self, decisions: Sequence[fh.Decision]) -> None:
         """Carry out the failure handler's decisions, in order (called from any thread)."""
         q = self.queue
+        finished = 0  # consecutive Finish decisions are counted in the queue together (one lock, one wake-up)
         for d in decisions:
             if type(d) is fh.Finish:
                 d.closure.succeed(d.payload)
-                q.mark_finished()
-            elif type(d) is fh.Fail:
+                finished += 1
+                continue
+            if finished:
+                q.mark_finished(finished)
+                finished = 0
+            if type(d) is fh.Fail:
                 d.closure.fail(d.error)
                 q.mark_failed(d.error)
             elif type(d) is fh.Retry:
@@ -297,15 +363,19 @@ class Cluster:
             elif type(d) is fh.ReturnUnrun:
                 q.return_unrun(d.closure)
             elif type(d) is fh.ForgetFunction:
-                self._workers[d.worker].forget_function(d.digest)
+                self._workers[d.worker].shipped.discard(d.digest)
+            elif type(d) is fh.Probe:
+                self.dispatcher.probe(d.worker)
             elif type(d) is fh.DeclareDead:
-                self._workers[d.worker].cancel_inflight()
+                self.dispatcher.declare_dead(d.worker)
                 if self.steps is not None:
                     # Synchronously, before the Retry decisions that follow: the re-run of its
                     # closure must not meet its old staged contribution.
                     self.steps.worker_failed(d.worker)
+            elif type(d) is fh.ForgetWorker:
+                self._forget(d.worker)
             elif type(d) is fh.RebuildResources:
-                self._workers[d.worker].forget_functions()
+                self._workers[d.worker].shipped.clear()
                 # Resources die with the process: rebuild them first, in creation order.
                 q.put_tagged_front(d.worker, [make(d.worker) for _rid, make in self._resources])
             elif type(d) in (fh.HoldDispatch, fh.ReleaseDispatch):
@@ -325,6 +395,8 @@ class Cluster:
                 self._point_workers_at_primaries()
             else:  # pragma: no cover - a decision type without an executor is a bug
                 raise TypeError(f"no executor for decision {d!r}")
+        if finished:
+            q.mark_finished(finished)
 
     def _watcher(self) -> PSWatcher:
         if self.ps_watcher is None:  # pragma: no cover - PS decisions come only from the watcher
@@ -346,16 +418,33 @@ class Cluster:
 class ClusterCoordinator:
     """Schedules closures on the workers of a :class:`ParameterServerStrategy`.
 
+    Liveness (see :mod:`~jaxdist.cluster_coordinator.failure_handler`): any
+    answer of a worker is proof of life; a worker that has answered nothing
+    for its probe interval, ``max(heartbeat_interval, workers /
+    max_heartbeats_per_s)`` seconds (jittered), is sent a heartbeat; one left
+    unanswered for ``failure_timeout`` seconds declares it failed, and so does
+    a failed call or a heartbeat that finds nobody listening. A connection
+    that drops is probed at once, so a killed worker process is detected in
+    well under a second whatever the cluster size. Time the coordinator
+    itself was stalled is not counted against any worker.
+
     Args:
         strategy: the strategy whose cluster and variables closures use.
         closures_per_rpc: closures sent to a worker per call (batching); None: 16, or 1 under
             ``staleness``.
-        heartbeat_interval: seconds between heartbeats to each worker.
-        failure_timeout: seconds without a heartbeat answer before a worker
-            is declared failed and its closures re-queued.
+        heartbeat_interval: seconds of silence after which a worker is sent a
+            heartbeat (when the rate allows).
+        failure_timeout: seconds a heartbeat may stay unanswered before the
+            worker is declared failed and its closures re-queued.
         closure_timeout: deadline of one RunClosures call (None: no limit;
             liveness is covered by heartbeats).
         max_queued: closures queued before ``schedule`` blocks.
+        max_heartbeats_per_s: heartbeats per second to all workers together
+            (bounds the coordinator's liveness cost; beyond
+            ``max_heartbeats_per_s * heartbeat_interval`` workers, each silent
+            one is probed less often).
+        forget_after: seconds a worker that joined through registration may
+            stay unreachable before it leaves the job.
 
     With a strategy made with ``staleness`` (synchronous or bounded-stale
     training) each worker takes one closure at a time (``closures_per_rpc``
@@ -379,6 +468,8 @@ class ClusterCoordinator:
         failure_timeout: float = 3.0,
         closure_timeout: float | None = None,
         max_queued: int | None = None,
+        max_heartbeats_per_s: float = DEFAULT_MAX_PROBE_RATE,
+        forget_after: float = DEFAULT_FORGET_AFTER,
     ) -> None:
         addresses = strategy.cluster_resolver.cluster_spec().job_tasks("worker")
         if not addresses:
@@ -402,7 +493,8 @@ class ClusterCoordinator:
         self.closure_timeout = closure_timeout
         self._queue = ClosureQueue(max_queued) if max_queued else ClosureQueue()
         settings = DispatchSettings(self.closures_per_rpc, heartbeat_interval, failure_timeout, closure_timeout)
-        self._cluster = Cluster(strategy, addresses, settings, self._queue, self.run_id)
+        self._cluster = Cluster(strategy, addresses, settings, self._queue, self.run_id,
+                                max_probe_rate=max_heartbeats_per_s, forget_after=forget_after)
         self._registration: rpc.Server | None = None
         self._metrics: MetricsExporter | None = None
         self._ps_recovery_timeout: float | None = None
@@ -515,12 +607,12 @@ class ClusterCoordinator:
         and leave on their own; returns its ``host:port``. Stopped by :meth:`shutdown`."""
         if self._registration is not None:
             return self._cluster.registration_address
-        server = rpc.Server(host, port, self.credentials, insecure=insecure)
+        server = rpc.Server(host, port, self.credentials, insecure=insecure, max_workers=_REGISTRATION_THREADS)
         server.add_service(SERVICE, CoordinatorServicer(self._cluster).handlers())
         server.start()
         self._registration = server
         self._cluster.registration_address = server.address
-        # Tell the workers already configured, so they too deregister when they leave.
+        # Tell the workers already configured (all at once), so they too deregister when they leave.
         self._cluster.reconfigure_workers(timeout=5.0)
         return server.address
 
@@ -668,16 +760,13 @@ class ClusterCoordinator:
             self._registration.stop(grace=None)
         self._queue.stop()
         active = self._cluster.stop()
-        if exit_tasks:
-            reason = "job finished" if exit_code == 0 else "job failed"
-            for w in active:
-                try:
-                    w.client.shutdown(reason, exit_code, timeout=2.0)
-                except E.JaxdistError:
-                    pass
-            self.strategy.shutdown_ps(reason, exit_code)
-        for w in active:
-            w.close()
+        try:
+            if exit_tasks:
+                reason = "job finished" if exit_code == 0 else "job failed"
+                self._cluster.shutdown_workers(active, reason, exit_code)
+                self.strategy.shutdown_ps(reason, exit_code)
+        finally:
+            self._cluster.close()
         if exit_tasks:
             self.strategy.close()
         if self._metrics is not None:

@@ -710,6 +710,12 @@ def coordinator_generators(own: str, worker: str) -> dict[str, Callable[[random.
     }
 
 
+def _threads() -> int:
+    """Threads of this process, less the gRPC servers' pool threads (started as calls come, at most
+    ``max_workers`` per server: none is kept for a request)."""
+    return sum(not t.name.startswith("jaxdist-rpc") for t in threading.enumerate())
+
+
 def test_fuzz_coordinator_registration(ps_server: ParameterServer) -> None:
     import jaxdist
 
@@ -719,8 +725,8 @@ def test_fuzz_coordinator_registration(ps_server: ParameterServer) -> None:
         try:
             own = coord.serve_registration()
             ch = channel(own)
-            poll_for(lambda: coord._workers[0].healthy.is_set(), 30, what="the worker to be configured")
-            workers, active, threads = coord.num_workers, coord.active_workers, threading.active_count()
+            poll_for(lambda: coord.status()[0]["healthy"], 30, what="the worker to be configured")
+            workers, active, threads = coord.num_workers, coord.active_workers, _threads()
             rng = random.Random(SEED)
             tally = Tally(COORDINATOR_EXPECTED)
             started = time.monotonic()
@@ -736,9 +742,9 @@ def test_fuzz_coordinator_registration(ps_server: ParameterServer) -> None:
                 after.append(f"health check {h}")
             if (coord.num_workers, coord.active_workers) != (workers, active):
                 after.append(f"workers changed: {workers} slots / {active} active -> {coord.num_workers} / {coord.active_workers}")
-            if threading.active_count() > threads:
-                after.append(f"{threading.active_count() - threads} more threads than before")
-            if not coord._workers[0].healthy.is_set() or coord._workers[0].left:
+            if _threads() > threads:
+                after.append(f"{_threads() - threads} more threads than before")
+            if not coord.status()[0]["healthy"] or coord.status()[0]["left"]:
                 after.append("the real worker left or is unhealthy")
             report("coordinator registration", tally, started, after)
             ch.close()

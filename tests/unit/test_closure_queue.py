@@ -22,12 +22,12 @@ def test_get_finish_join() -> None:
     cs = [Closure(noop) for _ in range(5)]
     for c in cs:
         q.put(c)
-    batch = q.get(0, max_n=3, timeout=0)
+    batch = q.take(0, max_n=3)
     assert [c.id for c in batch] == [c.id for c in cs[:3]]
     assert not q.done()
     q.mark_finished(3)
     q.mark_finished(0)
-    rest = q.get(1, max_n=10, timeout=0)
+    rest = q.take(1, max_n=10)
     assert len(rest) == 2
     q.mark_finished(2)
     assert q.done() and q.wait(timeout=0)
@@ -38,7 +38,7 @@ def test_error_cancels_queued_and_raises_once() -> None:
     cs = [Closure(noop) for _ in range(4)]
     for c in cs:
         q.put(c)
-    (running,) = q.get(0, timeout=0)
+    (running,) = q.take(0)
     err = KeyError("boom")
     running.fail(err)
     q.mark_failed(err)
@@ -60,8 +60,8 @@ def test_error_waits_for_running_closures() -> None:
     a, b = Closure(noop), Closure(noop)
     q.put(a)
     q.put(b)
-    q.get(0, timeout=0)
-    q.get(1, timeout=0)
+    q.take(0)
+    q.take(1)
     q.mark_failed(ValueError("x"))
     raised = threading.Event()
 
@@ -83,10 +83,10 @@ def test_retry_goes_first_and_counts_an_attempt() -> None:
     a, b = Closure(noop), Closure(noop)
     q.put(a)
     q.put(b)
-    (got,) = q.get(0, timeout=0)
+    (got,) = q.take(0)
     q.retry(got)
     assert got.attempt == 1 and q.retried == 1
-    assert q.get(1, timeout=0)[0] is a
+    assert q.take(1)[0] is a
     assert q.inflight == 1
 
 
@@ -95,20 +95,20 @@ def test_return_unrun_goes_first_without_an_attempt() -> None:
     a, b = Closure(noop), Closure(noop)
     q.put(a)
     q.put(b)
-    (got,) = q.get(0, timeout=0)
+    (got,) = q.take(0)
     q.return_unrun(got)
     assert got.attempt == 0 and q.retried == 0 and q.inflight == 0
-    assert q.get(1, max_n=2, timeout=0) == [a, b]
+    assert q.take(1, max_n=2) == [a, b]
 
 
 def test_tagged_closure_comes_back_to_its_worker() -> None:
     q = ClosureQueue()
     t = Closure(noop)
     q.put_tagged(1, t)
-    (got,) = q.get(1, timeout=0)
+    (got,) = q.take(1)
     q.retry(got)
-    assert q.get(0, timeout=0) == []
-    assert q.get(1, timeout=0) == [t] and t.attempt == 1
+    assert q.take(0) == []
+    assert q.take(1) == [t] and t.attempt == 1
 
 
 @pytest.mark.parametrize("how", ["retry", "return_unrun"])
@@ -119,8 +119,8 @@ def test_requeue_after_error_cancels_and_gives_data_back(how: str) -> None:
     b.on_cancel = lambda: given_back.append(b.id)
     q.put(a)
     q.put(b)
-    (ga,) = q.get(0, timeout=0)
-    (gb,) = q.get(1, timeout=0)
+    (ga,) = q.take(0)
+    (gb,) = q.take(1)
     q.mark_failed(RuntimeError("x"))
     getattr(q, how)(gb)
     assert gb.remote_value.status is RemoteValueStatus.ABORTED
@@ -133,12 +133,12 @@ def test_held_queue_hands_out_nothing_until_released() -> None:
     a = Closure(noop)
     q.put(a)
     q.set_held(True)
-    assert q.held and q.get(0, timeout=0) == []
+    assert q.held and q.take(0) == []
     assert q.pause(timeout=0)  # a checkpoint's pause nests with the hold
     q.set_held(False)
-    assert q.get(0, timeout=0) == []  # still paused
+    assert q.take(0) == []  # still paused
     q.resume()
-    assert q.get(0, timeout=0) == [a]
+    assert q.take(0) == [a]
 
 
 def test_closure_settles_once_and_runs_ledger_hooks_once() -> None:
@@ -165,9 +165,9 @@ def test_tagged_closures_only_go_to_their_worker_first() -> None:
     tagged = Closure(noop)
     q.put(general)
     q.put_tagged(1, tagged)
-    assert q.get(0, timeout=0) == [general]
-    assert q.get(1, timeout=0) == [tagged]
-    assert q.get(0, timeout=0) == []
+    assert q.take(0) == [general]
+    assert q.take(1) == [tagged]
+    assert q.take(0) == []
 
 
 def test_put_blocks_when_full() -> None:
@@ -183,7 +183,7 @@ def test_put_blocks_when_full() -> None:
     t = threading.Thread(target=producer)
     t.start()
     assert not done.wait(0.2)
-    q.get(0, timeout=0)
+    q.take(0)
     assert done.wait(5)
     t.join()
 

@@ -399,3 +399,95 @@ def test_a_batch_taken_by_a_leaving_worker_goes_back_unrun() -> None:
     h, _ = healthy()
     batch = [Closure(noop), Closure(noop)]
     assert h.not_sent(batch) == [fh.ReturnUnrun(c) for c in batch]
+
+
+# ------------------------------------------------------------- liveness at scale
+def scaled(workers: int, *, rate: float = 200.0, heartbeat: float = 0.5, timeout: float = 3.0,
+           forget_after: float = 60.0, elastic: bool = False) -> tuple[FailureHandler, FakeClock]:
+    """``workers`` healthy workers, no jitter (rng 0.5), ``rate`` probes/s at most."""
+    clock = FakeClock()
+    h = FailureHandler(timeout, clock=clock, heartbeat_interval=heartbeat, max_probe_rate=rate,
+                       forget_after=forget_after, rng=lambda: 0.5)
+    for i in range(workers):
+        h.add_worker(i, elastic=elastic)
+        h.worker_configured(i, f"inc-{i}")
+    return h, clock
+
+
+def probes(decisions: list[fh.Decision]) -> list[int]:
+    return [d.worker for d in decisions if isinstance(d, fh.Probe)]
+
+
+def test_only_silent_workers_are_probed() -> None:
+    h, clock = scaled(2)
+    assert probes(h.tick()) == []  # both just answered Configure
+    clock.t += 0.4
+    h.closures_returned(0, [])  # worker 0 keeps answering RunClosures calls
+    clock.t += 0.2  # worker 1 silent 0.6 s > heartbeat_interval 0.5; worker 0 only 0.2 s
+    assert probes(h.tick()) == [1]
+    assert probes(h.tick()) == []  # one probe at a time per worker
+
+
+def test_probes_are_capped_at_the_rate_whatever_the_number_of_workers() -> None:
+    h, clock = scaled(1000, rate=200.0)
+    h.tick()  # learns how many are watched: the probe interval becomes 1000 / 200 = 5 s
+    assert h.probe_interval == pytest.approx(5.0)
+    sent: list[int] = []
+    for _ in range(100):  # 10 s of ticks
+        clock.t += 0.1
+        got = probes(h.tick())
+        sent += got
+        for w in got:  # every probe is answered at once
+            h.heartbeat_answered(w, f"inc-{w}")
+    assert len(sent) <= 200 * 10 + 50  # the rate, plus the bucket's burst
+    assert len(set(sent)) == 1000  # yet every worker was asked within 10 s
+
+
+def test_a_probe_that_finds_nobody_listening_is_dead_at_once() -> None:
+    h, clock = scaled(2)
+    clock.t += 0.6
+    h.tick()
+    assert h.heartbeat_missed(0, unreachable=True) == [fh.DeclareDead(0, "unreachable (nobody listens at its address)")]
+    assert not h.is_healthy(0) and h.is_healthy(1)
+
+
+def test_a_probe_left_unanswered_is_dead_after_the_failure_timeout() -> None:
+    h, clock = scaled(1, timeout=3.0)
+    clock.t += 0.6
+    assert probes(h.tick()) == [0]  # sent at t+0.6, never answered (a frozen process)
+    clock.t += 2.9
+    assert h.tick() == []
+    clock.t += 0.2  # 3.1 s since the probe
+    assert h.tick() == [fh.DeclareDead(0, "no heartbeat for 3.0s")]
+
+
+def test_a_dropped_connection_is_probed_at_once_outside_the_budget() -> None:
+    h, clock = scaled(1000, rate=1.0)
+    h.tick()  # spends the one token
+    assert h.connection_lost(7) == [fh.Probe(7)]
+    assert h.connection_lost(7) == []  # already being probed
+    h.heartbeat_answered(7, "inc-7")
+    assert h.is_healthy(7)
+
+
+def test_the_coordinators_own_stall_is_not_counted_against_workers() -> None:
+    h, clock = scaled(1, timeout=3.0)
+    clock.t += 0.6
+    assert probes(h.tick()) == [0]
+    clock.t += 10.0  # the coordinator could not run for 10 s (its loop ran that late)
+    h.coordinator_stalled(10.0)
+    assert h.tick() == []  # the probe has been out 0.6 s of the coordinator's own time
+    assert h.is_healthy(0) and h.stalled_s == 10.0
+
+
+def test_an_unreachable_registered_worker_is_forgotten_a_static_one_never() -> None:
+    h, clock = scaled(0)
+    h.add_worker(0, elastic=True)  # registered, never answered Configure
+    h.add_worker(1)  # from the cluster spec
+    clock.t += 59
+    assert h.tick() == []
+    clock.t += 2
+    assert [type(d) for d in h.tick()] == [fh.ForgetWorker]
+    assert h.worker_status(0).left and not h.worker_status(1).left
+    clock.t += 1000
+    assert h.tick() == []  # forgotten once; the static worker waits for ever
