@@ -41,12 +41,24 @@ def _nothing_outlives_the_module() -> Iterator[None]:
     assert not left, f"left running after the module: {left.describe()}"
 
 
+#: Test modules where some test uses a shared fixture: the servers and clients such a fixture
+#: keeps may start threads lazily during any test of the module (a connection pool's first use,
+#: a server's first call of a kind), so their tests are checked when the module ends.
+_SHARED_MODULES: set[str] = set()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            _SHARED_MODULES.add(item.nodeid.split("::")[0])
+
+
 @pytest.fixture(autouse=True)
 def _nothing_outlives_the_test(request: pytest.FixtureRequest) -> Iterator[None]:
     """No jaxdist-* thread or child process started by a test outlives it."""
     before = Leftovers.now()
     yield
-    if SHARED_FIXTURES.intersection(request.fixturenames):
+    if request.node.nodeid.split("::")[0] in _SHARED_MODULES:
         return  # checked when the module ends
     left = before.wait_gone(_LEFTOVER_GRACE_S)
     assert not left, (
