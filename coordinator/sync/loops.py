@@ -10,7 +10,9 @@ One compiled program per (function, argument structure and signature):
    sync-on-read variable) and the assigned ones as extra outputs. The
    replication analysis (:mod:`jaxdist.sync._varying`) decides which outputs
    are per-replica and refuses a mirrored variable assigned a value that
-   differs between replicas.
+   differs between replicas, or a value declared with :func:`jaxdist.replicated`
+   that may (declared values ``fn`` does not return are extra outputs of the
+   traced jaxpr, seen by the analysis and dropped from the compiled program).
 3. The jaxpr is wrapped in ``jax.shard_map`` over the strategy's mesh (in
    ``steps`` mode inside a ``lax.scan`` that carries the assigned variables
    from one step to the next) and ``jax.jit``.
