@@ -73,6 +73,7 @@ from jaxdist.sync import (
     in_cross_replica_context,
     initialize_tpu_system,
     read_variables,
+    replicated,
     scale_regularization_loss,
 )
 from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull
@@ -104,6 +105,7 @@ __all__ = [
     "initialize_tpu_system",
     "metrics",
     "read_variables",
+    "replicated",
     "CancelledError",
     "CentralStorageStrategy",
     "MirroredStrategy",

@@ -17,7 +17,8 @@ Public names (re-exported from :mod:`jaxdist`):
   :class:`CommunicationOptions`, :class:`CommunicationImplementation`;
 - values and input: :class:`ReduceOp`, :class:`PerReplica`,
   :class:`InputContext`, :class:`ValueContext`, :class:`InputOptions`,
-  :class:`InputReplicationMode`, :func:`replicate`;
+  :class:`InputReplicationMode`, :func:`replicate`, :func:`replicated` (declare
+  values that must be the same on every replica: an error, not a silent drift);
 - loss helpers: :func:`compute_average_loss`, :func:`scale_regularization_loss`;
 - TPU set-up: :func:`experimental_connect_to_cluster`,
   :func:`initialize_tpu_system`, :class:`Topology`, :class:`DeviceAssignment`.
@@ -33,6 +34,7 @@ from jaxdist.sync.context import (
     has_strategy,
     in_cross_replica_context,
 )
+from jaxdist.sync.declare import replicated
 from jaxdist.sync.cross_device_ops import (
     CollectiveCommunication,
     CommunicationImplementation,
@@ -107,5 +109,6 @@ __all__ = [
     "initialize_tpu_system",
     "read_variables",
     "replicate",
+    "replicated",
     "scale_regularization_loss",
 ]

@@ -90,6 +90,9 @@ class ReplicaContext:
         self._padded_rows = padded_rows
         #: Set once fn asked for the padding mask (directly or through the loss helper or a metric).
         self.rows_used = False
+        #: Values fn declared replicated with :func:`jaxdist.replicated`, in call order: (traced leaf,
+        #: where: the call site and the leaf's path in the declared tree). ``run`` checks them when it compiles.
+        self.declared: list[tuple[Any, str]] = []
 
     @property
     def strategy(self) -> Any:

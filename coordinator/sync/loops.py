@@ -10,7 +10,9 @@ One compiled program per (function, argument structure and signature):
    sync-on-read variable) and the assigned ones as extra outputs. The
    replication analysis (:mod:`jaxdist.sync._varying`) decides which outputs
    are per-replica and refuses a mirrored variable assigned a value that
-   differs between replicas.
+   differs between replicas, or a value declared with :func:`jaxdist.replicated`
+   that may (declared values ``fn`` does not return are extra outputs of the
+   traced jaxpr, seen by the analysis and dropped from the compiled program).
 3. The jaxpr is wrapped in ``jax.shard_map`` over the strategy's mesh (in
    ``steps`` mode inside a ``lax.scan`` that carries the assigned variables
    from one step to the next) and ``jax.jit``.
@@ -37,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync._varying import varying_outputs
+from jaxdist.sync.declare import FIX_HINT
 from jaxdist.sync.strategy import (
     _PER_REPLICA,
     _REPLICATED,
@@ -187,6 +190,8 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
                 )
                 program = None
     if program is None:
+        if retraces == 0:
+            _warn_if_fed_back(strategy, fn, key, leaves, kinds, (args, kwargs))
         program = _build(strategy, fn, in_tree, kinds, dyn, dyn_scanned, statics, steps, rows, parent)
         program.retraces = retraces
         with strategy._programs_lock:
@@ -230,10 +235,127 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
         else:
             v._value = strategy._store_on_read(nv) if v.on_read else strategy._store_variable(nv)
     wrapped = [
-        PerReplica(o) if varying else strategy._mirrored.add(strategy._finish_replicated(o))
-        for o, varying in zip(outs[:n_user], program.out_varying)
+        _returned_per_replica(o, fn, program.out_tree, i) if varying else strategy._mirrored.add(strategy._finish_replicated(o))
+        for i, (o, varying) in enumerate(zip(outs[:n_user], program.out_varying))
     ]
     return jax.tree.unflatten(program.out_tree, wrapped)
+
+
+def _returned_per_replica(stacked: Any, fn: Callable[..., Any], out_tree: Any, i: int) -> PerReplica:
+    """A per-replica output of ``run``, remembering where it came from (for :func:`_warn_if_fed_back`)."""
+    pr = PerReplica(stacked)
+    pr._origin = (getattr(fn, "__name__", repr(fn)), out_tree, i)  # formatted only if a warning needs it
+    return pr
+
+
+def _origin_text(origin: tuple[str, Any, int]) -> str:
+    name, out_tree, i = origin
+    paths = jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(out_tree, range(out_tree.num_leaves)))[0]
+    return f"output {jax.tree_util.keystr(paths[i][0]) or '(the value)'} of strategy.run({name})"
+
+
+def _arg_text(path: tuple) -> str:
+    """``args[0]['w']`` / ``kwargs['w']`` for a path into ``(args, kwargs)``."""
+    head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
+    return head + jax.tree_util.keystr(tuple(path[1:]))
+
+
+def _warn_if_fed_back(strategy: Any, fn: Callable[..., Any], key: tuple, leaves: list[Any], kinds: list[str], tree: Any) -> None:
+    """Warn when a per-replica output of ``run`` comes back where this function took a replicated value before.
+
+    That is the functional style's silent trap: params returned per-replica
+    (the gradient all-reduce was forgotten) and fed into the next step make
+    every replica train its own copy. It is only a warning: per-replica state
+    (per-replica RNG keys, local statistics) is legitimate, and ``run`` cannot
+    tell which was meant; :func:`jaxdist.replicated` makes it an error.
+    Called only when ``run`` compiles a new program, so it costs nothing per step.
+    """
+    fed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica) and x._origin is not None]
+    if not fed:
+        return
+    with strategy._programs_lock:
+        before = [k[2] for k in strategy._programs if k[0] == key[0] and k[1] == key[1] and k[5] == key[5]]
+    hits = [i for i in fed if any(len(kd) > i and kd[i] == _REPLICATED for kd in before)]
+    if not hits:
+        return
+    paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_leaf_kind)[0]
+    names = ", ".join(f"{_arg_text(paths[i][0])} ({_origin_text(leaves[i]._origin)})" for i in hits)
+    logger.warning(
+        "strategy.run(%s): %s is a per-replica value where an earlier call passed a replicated one: each replica now "
+        "goes on from its own copy and they drift apart. If it must be the same on every replica (params, optimizer "
+        "state), all-reduce the gradients in fn (get_replica_context().all_reduce('sum', grads) or "
+        "jaxdist.Optimizer) and return it through jaxdist.replicated(...), which makes a forgotten all-reduce an "
+        "error; if per-replica state is meant, ignore this warning",
+        getattr(fn, "__name__", fn),
+        names,
+    )
+
+
+@dataclass
+class _Declared:
+    """A value ``fn`` declared with :func:`jaxdist.replicated`, located among the traced function's outputs."""
+
+    positions: list[int]  # where it is in the traced outputs (fn's own outputs first; else one extra output)
+    where: str  # the declaration's call site and leaf path
+    returned: bool  # whether fn returns it (then positions index fn's flat outputs)
+
+
+def _declared_outputs(fn: Callable[..., Any], rctx: ctx_lib.ReplicaContext, flat: list[Any], outs: list[Any]) -> list[_Declared]:
+    """Locate fn's declared values among its outputs; append the ones it does not return to ``outs``.
+
+    Called while ``fn``'s trace is current: a declared value from an inner
+    transformation (a scan body, vmap, grad inside ``fn``) cannot become an
+    output of this trace, and is refused with a message saying where to declare.
+    """
+    if not rctx.declared:
+        return []
+    with jcore.take_current_trace() as current:
+        pass
+    positions: dict[int, list[int]] = {}
+    for i, leaf in enumerate(flat):
+        positions.setdefault(id(leaf), []).append(i)
+    found: list[_Declared] = []
+    for leaf, where in rctx.declared:
+        if getattr(leaf, "_trace", current) is not current:
+            raise ConfigurationError(
+                f"strategy.run({getattr(fn, '__name__', fn)}): {where}: the value belongs to a JAX transformation "
+                "inside fn (a lax.scan/while/cond body, vmap or grad) and cannot be checked from there; declare the "
+                "transformation's result in fn itself instead"
+            )
+        pos = positions.get(id(leaf))
+        if pos is not None:
+            found.append(_Declared(pos, where, True))
+        else:
+            found.append(_Declared([len(outs)], where, False))
+            outs.append(leaf)
+    return found
+
+
+def _check_declared(
+    fn: Callable[..., Any], r: int, declared: list[_Declared], out_varying: list[bool], out_tree: Any, n_user: int
+) -> list[bool]:
+    """fn's output kinds after the declarations: raise if a declared value may vary, else force them replicated."""
+    user_varying = list(out_varying[:n_user])
+    if not declared:
+        return user_varying
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(jax.tree.unflatten(out_tree, range(n_user)))[0]]
+    bad = []
+    for d in declared:
+        if r > 1 and out_varying[d.positions[0]]:
+            what = f"output {paths[d.positions[0]] or '(the value)'} ({d.where})" if d.returned else d.where
+            bad.append(what)
+        elif d.returned:
+            for i in d.positions:  # with one replica a "varying" value is still the same everywhere
+                user_varying[i] = False
+    if bad:
+        name = getattr(fn, "__name__", fn)
+        listed = "".join(f"\n  - {b}" for b in bad)
+        raise ConfigurationError(
+            f"strategy.run({name}): {len(bad)} value(s) declared replicated may differ between replicas, so their {r} "
+            f"copies would drift apart (nothing ran):{listed}\nThey depend on per-replica values (the batch, "
+            f"gradients, replica_id) that were never all-reduced. {FIX_HINT}"
+        )
+    return user_varying
 
 
 def _local_aval(a: Any, kind: str, scanned: bool, steps: int | None) -> jax.ShapeDtypeStruct:
@@ -292,6 +414,7 @@ def _build(
     assigned_box: list[list[SyncVariable]] = []
     rctx_box: list[ctx_lib.ReplicaContext] = []
     n_user_box: list[int] = []
+    declared_box: list[list[_Declared]] = []
 
     def traced(*xs: Any) -> list[Any]:
         tframe = ReplicaFrame(strategy, AXIS, discover=False, parent=parent)
@@ -301,11 +424,14 @@ def _build(
         assigned_box[:] = [assigned]
         rctx_box[:] = [rctx]
         n_user_box[:] = [len(flat)]
-        return list(flat) + [tframe.values[v] for v in assigned]
+        outs = list(flat) + [tframe.values[v] for v in assigned]
+        declared_box[:] = [_declared_outputs(fn, rctx, flat, outs)]
+        return outs
 
     closed = jax.make_jaxpr(traced, axis_env=[(AXIS, r)])(*local_avals, *var_avals)
     assigned = assigned_box[0]
     n_user = n_user_box[0]
+    n_kept = n_user + len(assigned)  # outputs past these only carry declared values to the analysis
     in_varying = [k in (_PER_REPLICA, _ROWS) for k in dyn_kinds] + [v.on_read for v in touched]
     out_varying = varying_outputs(closed, in_varying, AXIS)
     for v, varies in zip(assigned, out_varying[n_user:]):
@@ -317,7 +443,7 @@ def _build(
                 "jaxdist.Optimizer apply the gradients (it all-reduces them as TF's optimizers do), or create the "
                 "variable with aggregation='sum'/'mean'"
             )
-    user_varying = out_varying[:n_user]
+    user_varying = _check_declared(fn, r, declared_box[0], out_varying, out_tree_box[0], n_user)
     out_var_spec = [v.on_read for v in assigned]
 
     in_specs = tuple(P(AXIS) if k in (_PER_REPLICA, _ROWS) else P() for k in dyn_kinds) + tuple(
@@ -334,7 +460,7 @@ def _build(
     def body(*blocks: Any) -> tuple[Any, ...]:
         local = [b[0] if pr else b for b, pr in zip(blocks, in_local_per_replica)]
         if steps is None:
-            outs = list(fun(*local))
+            outs = list(fun(*local))[:n_kept]
         else:
             dyn_local, var_local = local[:n_dyn], local[n_dyn:]
 
@@ -346,7 +472,7 @@ def _build(
                 for i, x in zip(scan_idx, xs):
                     step_dyn[i] = x
                 o = fun(*step_dyn, *vals)
-                return tuple(o[n_user:]), tuple(o[:n_user])
+                return tuple(o[n_user:n_kept]), tuple(o[:n_user])
 
             carry0 = tuple(var_local[p] for p in assigned_pos)
             final, ys = jax.lax.scan(step, carry0, tuple(dyn_local[i] for i in scan_idx))

@@ -270,6 +270,11 @@ class _MeshStrategy(Strategy):
             same on every replica (derived only from replicated inputs and
             all-reduced values) is a replicated ``jax.Array``, and every other
             leaf is a :class:`PerReplica`.
+
+        Raises:
+            ConfigurationError: when ``fn`` is traced, if a value it declared
+                with :func:`jaxdist.replicated` may differ between replicas
+                (e.g. params updated with gradients that were not all-reduced).
         """
         _check_run_options(options)
         return self._run(fn, args, kwargs)

@@ -51,7 +51,7 @@ class PerReplica:
             are zero padding).
     """
 
-    __slots__ = ("_stacked", "_rows", "_rows_host", "_guard")
+    __slots__ = ("_stacked", "_rows", "_rows_host", "_guard", "_origin")
 
     def __init__(self, stacked: Any, row_counts: Any = None) -> None:
         if not hasattr(stacked, "shape") or len(stacked.shape) < 1:
@@ -67,6 +67,9 @@ class PerReplica:
         # strategy.run must check that fn handles padding rows (off with with_mask=True).
         self._rows_host: np.ndarray | None = None
         self._guard = False
+        # Set by strategy.run on the per-replica values it returns: (fn's name, fn's output tree, leaf index),
+        # so that run can warn when such a value is fed back where a replicated one went before.
+        self._origin: tuple[str, Any, int] | None = None
 
     @property
     def stacked(self) -> Any:
@@ -163,6 +166,7 @@ def _unflatten(has_rows: bool, children: Any) -> PerReplica:
     out._rows = children[1] if has_rows else None
     out._rows_host = None
     out._guard = False
+    out._origin = None
     return out
 
 

@@ -329,6 +329,7 @@ def test_public_api_is_pinned() -> None:
             "initialize_tpu_system",
             "read_variables",
             "replicate",
+            "replicated",
             "scale_regularization_loss",
         ]
     )
