@@ -19,6 +19,7 @@ import pytest
 
 import jaxdist
 from jaxdist.base.monitoring import parse_text, scrape
+from jaxdist.testing import poll_for
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.multiprocess]
 
@@ -65,7 +66,7 @@ def test_metrics_endpoints_count_the_work(trained: tuple[Any, Any, Any]) -> None
     after_w = [scrape(a) for a in w_addr]
     after_c = scrape(f"127.0.0.1:{coord.serve_metrics()}")
 
-    for b, a in zip(before_ps, after_ps):
+    for addr, b, a in zip(ps_addr, before_ps, after_ps):
         for name in ("jaxdist_ps_pulls_total", "jaxdist_ps_pushes_total", "jaxdist_ps_bytes_pulled_total",
                      "jaxdist_ps_bytes_pushed_total", "jaxdist_ps_updates_applied_total"):
             assert _metric(a, name) > _metric(b, name), name
@@ -74,7 +75,11 @@ def test_metrics_endpoints_count_the_work(trained: tuple[Any, Any, Any]) -> None
         assert _metric(a, "jaxdist_ps_variables") == 1
         assert _metric(a, "jaxdist_ps_duplicates_dropped_total") == 0
         push = 'jaxdist_rpc_server_latency_seconds_count{method="jaxdist.ParameterServer/Push"}'
-        assert _metric(a, push) - _metric(b, push) == 30
+        # A call's latency is recorded when the server has finished it, which can be just after the
+        # client has its answer: wait for the last ones rather than race them.
+        poll_for(lambda addr=addr, b=b: _metric(scrape(addr), push) - _metric(b, push) >= 30, 10,
+                 what="the 30 pushes' latencies to be recorded")
+        assert _metric(scrape(addr), push) - _metric(b, push) == 30
     var_bytes = {k: v for a in after_ps for k, v in a.items() if k.startswith("jaxdist_ps_variable_bytes_pushed_total")}
     # Sizes: w is 64x4 float32 (1 KiB), b is 4 float32; 40 pushes of each so far.
     assert var_bytes == {'jaxdist_ps_variable_bytes_pushed_total{variable="params/w"}': 40 * 1024.0,
