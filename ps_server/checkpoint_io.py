@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import zipfile
 from collections.abc import Sequence
 from typing import Any, cast
@@ -82,6 +83,11 @@ def _short(text: str, keep: int = 200) -> str:
     return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
 
 
+#: numpy parses each .npy header with ``ast.literal_eval``, and CPython 3.11's AST constructor is
+#: not thread-safe (gh-106905: "SystemError: AST constructor recursion depth mismatch", seen here
+#: when restores on two PS tasks of one process read at once): member reads take turns.
+_NPY_READ_LOCK = threading.Lock()
+
 class PieceReader:
     """Reads row ranges of arrays out of checkpoint files, verifying each file's checksum once."""
 
@@ -114,7 +120,8 @@ class PieceReader:
             if key not in f.files:
                 raise InvalidRequestError(f"checkpoint file {file} has no array {_short(key)}")
             try:
-                arr = f[key]
+                with _NPY_READ_LOCK:
+                    arr = f[key]
             except (OSError, ValueError, zipfile.BadZipFile) as e:  # a damaged member, an object array
                 raise InvalidRequestError(f"array {_short(key)} of checkpoint file {file} is unreadable: {e}") from None
             self._cache[(file, key)] = arr
