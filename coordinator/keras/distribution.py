@@ -195,26 +195,6 @@ class UnsupportedStrategyDistribution(Distribution):
     def num_model_replicas(self) -> int:
         raise NotImplementedError(self._message)
 
-    @property
-    def multi_process(self) -> bool:
-        """Whether the replicas span more than one process."""
-        return self._multi_process
-
-    def fetchable(self, tree: Any) -> Any:
-        """``tree`` with every array this process cannot read whole gathered onto every replica (an all-gather)."""
-
-        def one(a: Any) -> Any:
-            if isinstance(a, jax.Array) and not a.is_fully_addressable:
-                return self._gather(a)
-            return a
-
-        return jax.tree.map(one, tree)
-
-    @property
-    def placement_counts(self) -> dict[str, int]:
-        """Batches placed so far: ``split`` over the replicas, ``replicated`` (short batches, computed whole)."""
-        return dict(self._counts)
-
     def get_data_layout(self, data_shape: Any) -> TensorLayout:
         raise NotImplementedError(self._message)
 
