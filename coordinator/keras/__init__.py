@@ -37,6 +37,11 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
 - ``ParameterServerStrategy``: not supported yet; any Keras model use inside
   its scope raises ``NotImplementedError``.
 
+Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
+work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
+``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
+contract and event files (``pip install 'jaxdist[tensorboard]'``).
+
 Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
 takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
 
@@ -59,12 +64,14 @@ from jaxdist.keras.distribution import (  # noqa: E402
     install_data_placement,
 )
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 
 install_data_placement()
 
 __all__ = [
     "Batches",
     "StrategyDistribution",
+    "TensorBoard",
     "UnsupportedStrategyDistribution",
     "distribution_for",
     "install_data_placement",
