@@ -377,11 +377,14 @@ def measure_noop(c: ScaleCluster) -> None:
     n = a.noop_closures or max(5000, 10 * c.n)
     noop_rate(c, max(c.n, n // 5), a.noop_budget_s)  # warm: every worker has the function cached
     f0 = failures(c)
-    rates, cpus, switches, counts = [], [], [], []
+    rates, cpus, switches, counts, batches = [], [], [], [], []
     for _ in range(a.repeats):
         cs0 = context_switches()
+        d0 = c.coord.dispatch_counters()
         with CpuMeter() as m:
             rate, ran = noop_rate(c, n, a.noop_budget_s)
+        d1 = c.coord.dispatch_counters()
+        batches.append((d1["closures_sent"] - d0["closures_sent"]) / max(1, d1["run_calls"] - d0["run_calls"]))
         rates.append(rate)
         counts.append(ran)
         switches.append((context_switches() - cs0) / ran)
@@ -392,6 +395,7 @@ def measure_noop(c: ScaleCluster) -> None:
          median=round(statistics.median(rates), 1), runs=[round(r, 1) for r in rates],
          coordinator_cpu_percent=round(statistics.median(cpus), 1), coordinator_rss_mb=st["rss_mb"],
          coordinator_context_switches_per_closure=round(statistics.median(switches), 1),
+         closures_per_call=[round(b, 2) for b in batches],
          coordinator_threads=st["threads"], workers_that_ran_closures=sum(d > 0 for d in done),
          false_failures=failures(c) - f0)
 
@@ -708,7 +712,8 @@ def run_size(n: int, args: argparse.Namespace) -> None:
                     profiled(args, n, "idle", args.idle_seconds, c.hosts[0].pid, "host"):
                 measure_idle(c)
         if "noop" in args.measure:
-            with profiled(args, n, "noop", args.profile_seconds):
+            with profiled(args, n, "noop", args.profile_seconds), \
+                    profiled(args, n, "noop", args.profile_seconds, c.hosts[0].pid, "host"):
                 measure_noop(c)
         if "pull" in args.measure:
             measure_pull(c)
