@@ -82,6 +82,17 @@ def test_host_process_registers_runs_closures_and_leaves_on_sigterm(ps_cluster: 
         assert static.proc is not None and static.proc.returncode == 0
 
 
+def _error_of(rv: jaxdist.RemoteValue) -> BaseException | None:
+    """The error a settled closure raises (None: not settled, or it succeeded)."""
+    if not rv.done():
+        return None
+    try:
+        rv.fetch(0)
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the finding
+        return e
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_cluster: jaxdist.LocalCluster) -> None:
@@ -118,6 +129,8 @@ def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_clus
                 return sum(rv.done() for rv in rvs) + int(held.numpy()) >= n
 
             poll_for(settled, 180, interval=0.05, what="every closure done or held by a victim")
+            errors = [e for e in map(_error_of, rvs) if e is not None]
+            assert not errors, f"{len(errors)} closures failed before the kill, the first with {errors[0]!r}"
             # A healthy worker declared failed would have its closure re-run (counted both done and
             # held): that is a false failure, which the bounds below do not excuse.
             assert sum(r["failures"] for r in coord.status()) == 0, "a worker was declared failed before the kill"
