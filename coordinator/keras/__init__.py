@@ -41,6 +41,7 @@ Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
 ``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
 contract and event files (``pip install 'jaxdist[tensorboard]'``).
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch.
 
 Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
 takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
@@ -57,6 +58,7 @@ require_jax_backend()
 
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
+from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
 from jaxdist.keras.data import Batches  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
@@ -69,6 +71,7 @@ from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 install_data_placement()
 
 __all__ = [
+    "BackupAndRestore",
     "Batches",
     "StrategyDistribution",
     "TensorBoard",
