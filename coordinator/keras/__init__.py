@@ -41,7 +41,9 @@ Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
 ``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
 contract and event files (``pip install 'jaxdist[tensorboard]'``).
-:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch.
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch;
+:class:`jaxdist.keras.SidecarEvaluator` (also ``jaxdist.SidecarEvaluator``)
+evaluates each new checkpoint from an evaluator task.
 
 Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
 takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
@@ -66,6 +68,7 @@ from jaxdist.keras.distribution import (  # noqa: E402
     install_data_placement,
 )
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 
 install_data_placement()
@@ -73,6 +76,7 @@ install_data_placement()
 __all__ = [
     "BackupAndRestore",
     "Batches",
+    "SidecarEvaluator",
     "StrategyDistribution",
     "TensorBoard",
     "UnsupportedStrategyDistribution",
