@@ -31,8 +31,9 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   every process feeds the same input and keeps its replicas' rows (TF's
   ``DATA`` auto-shard policy); the processes agree on Keras's random seed so
   initial weights match; ``predict`` gathers its outputs to every process.
-  ``*_on_batch`` raise NotImplementedError there; per-process input (TF's
-  ``FILE`` policy, each process reading its own files) has no API yet.
+  ``*_on_batch`` raise NotImplementedError there. Per-process input (TF's
+  ``FILE`` policy, each process reading its own files):
+  ``Batches(iterable, per_process=True)``.
 - default strategy: Keras unchanged (one device).
 - ``ParameterServerStrategy``: not supported yet; any Keras model use inside
   its scope raises ``NotImplementedError``.
