@@ -43,6 +43,9 @@ work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
 ``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
 contract and event files (``pip install 'jaxdist[tensorboard]'``).
 :class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch;
+:class:`jaxdist.keras.ModelCheckpoint` is Keras's, writing from process 0 only
+(Keras's own two are refused in a multi-process ``fit``: every process would
+write the same files);
 :class:`jaxdist.keras.SidecarEvaluator` (also ``jaxdist.SidecarEvaluator``)
 evaluates each new checkpoint from an evaluator task.
 
@@ -62,6 +65,7 @@ require_jax_backend()
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
 from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
+from jaxdist.keras.checkpoint import ModelCheckpoint  # noqa: E402
 from jaxdist.keras.data import Batches  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
@@ -77,6 +81,7 @@ install_data_placement()
 __all__ = [
     "BackupAndRestore",
     "Batches",
+    "ModelCheckpoint",
     "SidecarEvaluator",
     "StrategyDistribution",
     "TensorBoard",

@@ -34,6 +34,7 @@ code runs unchanged. See :func:`install_data_placement`.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -351,15 +352,45 @@ def _fetchable_predictions(make: Any) -> Any:
     return make_predict_function
 
 
+#: Keras callbacks that write files from every process (no multi-process logic): every process would
+#: write the same path at once. The jaxdist subclass named beside each writes from process 0 only.
+_EVERY_PROCESS_WRITERS = {
+    "ModelCheckpoint": "jaxdist.keras.ModelCheckpoint",
+    "BackupAndRestore": "jaxdist.keras.BackupAndRestore",
+}
+
+
+def _refuse_every_process_writers(callbacks: Any, strategy: Any) -> None:
+    if not isinstance(callbacks, (list, tuple)):
+        return  # None, or fit's own CallbackList handed to its validation evaluate (checked when fit was called)
+    for cb in callbacks:
+        for name, replacement in _EVERY_PROCESS_WRITERS.items():
+            keras_class = getattr(keras.callbacks, name)
+            if type(cb) is keras_class:  # exactly Keras's class: a subclass may have its own multi-process logic
+                raise ConfigurationError(
+                    f"keras.callbacks.{name} writes its files from every process of a multi-process "
+                    f"{type(strategy).__name__} at once; use {replacement} (same arguments), which writes from process 0"
+                )
+
+
 def _under_model_distribution(method: Any, on_batch: bool) -> Any:
-    def refuse_multi_process(dist: StrategyDistribution) -> None:
+    signature = inspect.signature(method)
+
+    def refuse_multi_process(dist: StrategyDistribution, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not dist.multi_process:
+            return
         # Keras places an *_on_batch input as this process's part of the batch (make_array_from_process_local_data),
         # unlike fit, where every process feeds the global batch (TF's DATA policy): refuse rather than mix the two.
-        if on_batch and dist.multi_process:
+        if on_batch:
             raise NotImplementedError(
                 f"{method.__name__} under a multi-process {type(dist.strategy).__name__} is not supported: use "
                 "fit/evaluate/predict (every process passes the same global data)"
             )
+        try:
+            bound = signature.bind_partial(None, *args, **kwargs)
+        except TypeError:
+            return  # Keras itself reports the bad call
+        _refuse_every_process_writers(bound.arguments.get("callbacks"), dist.strategy)
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -367,12 +398,12 @@ def _under_model_distribution(method: Any, on_batch: bool) -> Any:
         if current is None:
             dist = model_distribution(self)
             if dist is not None:
-                refuse_multi_process(dist)
+                refuse_multi_process(dist, args, kwargs)
                 with dist.scope():
                     return method(self, *args, **kwargs)
         elif isinstance(current, StrategyDistribution):
             _check_model_devices(self, current)
-            refuse_multi_process(current)
+            refuse_multi_process(current, args, kwargs)
         return method(self, *args, **kwargs)
 
     return run

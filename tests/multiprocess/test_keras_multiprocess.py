@@ -77,11 +77,29 @@ def _child(mode: str, out: str) -> None:
     else:
         feed = global_batches
     keras.utils.set_random_seed(11)
+    ckpt_dir = os.path.join(os.path.dirname(out), "ckpt")
     with scope():
         per_process_model = build()
-        per_process_model.fit(jaxdist.keras.Batches(feed, per_process=strategy is not None), epochs=2, verbose=0)
+        if strategy is not None:
+            # Keras's own ModelCheckpoint would write from both processes at once: refused, naming jaxdist's.
+            try:
+                per_process_model.fit(jaxdist.keras.Batches(feed, per_process=True), epochs=1, verbose=0,
+                                      callbacks=[keras.callbacks.ModelCheckpoint(os.path.join(ckpt_dir, "x.weights.h5"),
+                                                                                 save_weights_only=True)])
+            except jaxdist.errors.ConfigurationError as e:
+                result["keras_checkpoint_refused"] = "jaxdist.keras.ModelCheckpoint" in str(e)
+        checkpoint = jaxdist.keras.ModelCheckpoint(os.path.join(ckpt_dir, f"{mode}-{{epoch}}.weights.h5"),
+                                                   save_weights_only=True)
+        per_process_model.fit(jaxdist.keras.Batches(feed, per_process=strategy is not None), epochs=2, verbose=0,
+                              callbacks=[checkpoint])
         per_process_eval = per_process_model.evaluate(jaxdist.keras.Batches(feed, per_process=strategy is not None),
                                                       return_dict=True, verbose=0)
+    # evaluate is a collective: process 0 has written the last checkpoint by now. It holds the final weights.
+    with scope():
+        reloaded = build()
+    reloaded.load_weights(os.path.join(ckpt_dir, f"{mode}-2.weights.h5"))
+    result["checkpoint_is_final"] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                                        zip(reloaded.get_weights(), per_process_model.get_weights(), strict=True))
     if strategy is not None:
         try:
             model.train_on_batch(x[:32], y[:32])
@@ -90,6 +108,8 @@ def _child(mode: str, out: str) -> None:
     np.savez(
         out,
         on_batch_refused=result.get("on_batch_refused", False),
+        keras_checkpoint_refused=result.get("keras_checkpoint_refused", False),
+        checkpoint_is_final=result["checkpoint_is_final"],
         processes=jax.process_count(),
         replicas=strategy.num_replicas_in_sync if strategy is not None else 1,
         weights=np.concatenate([np.ravel(w) for w in model.get_weights()]),
@@ -163,6 +183,8 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
     for i, got in enumerate(w):
         assert int(got["processes"]) == 2 and int(got["replicas"]) == 8, i
         assert bool(got["on_batch_refused"]), i  # *_on_batch would read each process's input as its part: refused
+        assert bool(got["keras_checkpoint_refused"]), i
+        assert bool(got["checkpoint_is_final"]), i  # jaxdist.keras.ModelCheckpoint: process 0's file, read by both
         np.testing.assert_allclose(got["weights"], ref["weights"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} weights")
         np.testing.assert_allclose(got["predict"], ref["predict"], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} predict")
         h_ref, h_got = json.loads(str(ref["history"])), json.loads(str(got["history"]))
@@ -178,6 +200,8 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
         for k in e_ref:
             assert abs(e_got[k] - e_ref[k]) < 2e-5, (i, k, e_got, e_ref)
     np.testing.assert_array_equal(w[0]["unseeded"], w[1]["unseeded"])
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "reference-1.weights.h5", "reference-2.weights.h5", "worker-1.weights.h5", "worker-2.weights.h5"]
 
 
 if __name__ == "__main__":
