@@ -52,18 +52,23 @@ require_jax_backend()
 
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
-from jaxdist.keras.data import Batches  # noqa: E402
+from jaxdist.keras.data import Batches, DatasetCreator  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
     UnsupportedStrategyDistribution,
     install_data_placement,
 )
+from jaxdist.keras.ps_model import PSDistribution  # noqa: E402
+from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 
 install_data_placement()
 
 __all__ = [
     "Batches",
+    "DatasetCreator",
+    "PSDistribution",
+    "UnsupportedOptimizerError",
     "StrategyDistribution",
     "UnsupportedStrategyDistribution",
     "distribution_for",

@@ -323,7 +323,17 @@ def _under_model_distribution(method: Any, on_batch: bool) -> Any:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from jaxdist.keras import ps_fit
+        from jaxdist.keras.ps_model import PSDistribution
+
+        on_ps = ps_fit.route(self, method.__name__, method)
+        if on_ps is not None:  # a model built in a ParameterServerStrategy's scope
+            return on_ps(*args, **kwargs)
         current = keras.distribution.distribution()
+        if isinstance(current, PSDistribution):
+            raise ConfigurationError(
+                f"this Keras model was not built in {type(current.strategy).__name__}.scope(): build and compile it "
+                "inside the strategy's scope (as TF requires), or run it outside the scope")
         if current is None:
             dist = model_distribution(self)
             if dist is not None:

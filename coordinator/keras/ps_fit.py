@@ -1,0 +1,337 @@
+"""Keras ``fit``/``evaluate``/``predict`` of a model built in ``ParameterServerStrategy.scope()``.
+
+As tf.keras did under ``ParameterServerStrategy`` (TF's rules):
+
+- ``fit(x=DatasetCreator(dataset_fn) or dataset_fn, epochs=, steps_per_epoch=)``:
+  ``steps_per_epoch`` is required; the input is a per-worker dataset function
+  (``ClusterCoordinator.create_per_worker_dataset``); each closure runs
+  ``steps_per_execution`` (from ``compile``) training steps on a worker
+  (:class:`jaxdist.keras.ps_worker.TrainSteps`). The model's variables live on
+  the PS and its optimizer runs there (:mod:`jaxdist.keras.ps_model`). A
+  worker that dies mid-``fit`` has its closures re-run elsewhere; each step is
+  applied once (pushes carry the closure's identity), so an epoch applies
+  exactly ``steps_per_epoch`` steps.
+- ``evaluate(x, y, batch_size=)`` (arrays) or ``evaluate(DatasetCreator(fn), steps=N)``
+  (``fn`` returns the whole evaluation set as a sequence of ``N`` batches):
+  TF's exact inline evaluation: every batch is evaluated exactly once, also
+  when workers die (jaxdist's exactly-once data ledger).
+- ``predict``: on the coordinator, with the PS's current weights (Keras's own
+  ``predict`` after :meth:`PSModel.sync`).
+
+Keras's own ``CallbackList`` (``History``, the progress bar, user callbacks)
+runs on the coordinator. Metrics are exact: each closure returns the Keras
+metric variables it accumulated (all of aggregation ``"sum"``), and the
+coordinator adds them up (each closure's result is kept once, whatever
+re-runs happen) and lets Keras compute ``result()`` from the sums. Batch-level
+logs show the closures finished so far; epoch logs cover every step.
+Callbacks see the PS's weights at epoch boundaries (``model`` is synced after
+every epoch); mid-epoch they see the weights of the last sync.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import keras
+
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.input_context import InputContext
+from jaxdist.keras.data import DatasetCreator, call_dataset_fn
+from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
+from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, TrainSteps
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ArrayBatches", "route"]
+
+#: Closures kept in flight per worker (more would only queue; fewer would idle workers between steps).
+IN_FLIGHT_PER_WORKER = 2
+
+
+class ArrayBatches:
+    """Arrays cut into batches: ``len()`` batches, ``[i]`` the i-th ``(x, y[, sample_weight])`` (picklable)."""
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.x, self.y, self.sample_weight, self.batch_size = x, y, sample_weight, int(batch_size)
+        self.n = len(keras.tree.flatten(x)[0])
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        cut = functools.partial(keras.tree.map_structure, lambda a: np.asarray(a)[sl])
+        out = (cut(self.x),) + (() if self.y is None else (cut(self.y),))
+        if self.sample_weight is not None:
+            out += (cut(self.sample_weight),)
+        return out
+
+
+class _Sequence:
+    """The exactly-once evaluation dataset function: the same batch sequence on every worker."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __call__(self, input_context: Any = None) -> Any:
+        if isinstance(self.source, ArrayBatches):
+            return self.source
+        data = call_dataset_fn(self.source, input_context)
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise ConfigurationError("evaluate() under ParameterServerStrategy: dataset_fn must return the whole "
+                                     f"evaluation set as a sequence of batches (len() and [i]), got {type(data).__name__}")
+        return data
+
+
+class _Metrics:
+    """The sum of the closures' Keras metric states; Keras computes the logs from it."""
+
+    def __init__(self, model: Any, init: list[np.ndarray]) -> None:
+        self.model = model
+        self.init = init
+        self.total = [np.array(a, dtype=np.float64 if np.issubdtype(a.dtype, np.floating) else a.dtype) for a in init]
+        self.closures = 0
+
+    def add(self, state: list[np.ndarray]) -> None:
+        for t, s, i in zip(self.total, state, self.init):
+            t += np.asarray(s) - i
+        self.closures += 1
+
+    def logs(self) -> dict[str, Any]:
+        for v, t in zip(self.model.metrics_variables, self.total):
+            v.assign(t.astype(v.dtype))
+        return {k: float(np.asarray(r)) if np.ndim(r) == 0 else np.asarray(r)
+                for k, r in self.model.get_metrics_result().items()}
+
+
+class _InFlight:
+    """Closures scheduled and not yet folded into the metrics; at most ``limit`` at a time."""
+
+    def __init__(self, metrics: _Metrics, limit: int) -> None:
+        self.metrics = metrics
+        self.limit = max(1, limit)
+        self.pending: collections.deque[Any] = collections.deque()
+
+    def add(self, rv: Any) -> None:
+        self.pending.append(rv)
+        while len(self.pending) >= self.limit:
+            self.metrics.add(self.pending.popleft().fetch())
+        self.collect()
+
+    def collect(self) -> None:
+        while self.pending and self.pending[0].done():
+            self.metrics.add(self.pending.popleft().fetch())
+
+    def drain(self) -> None:
+        while self.pending:
+            self.metrics.add(self.pending.popleft().fetch())
+
+
+def _coordinator(strategy: Any) -> Any:
+    """The strategy's ClusterCoordinator (one is made, and kept for later calls, when it has none: as TF)."""
+    coord = strategy.coordinator
+    if coord is None:
+        from jaxdist.cluster_coordinator import ClusterCoordinator
+
+        coord = ClusterCoordinator(strategy)
+    return coord
+
+
+def _dataset_fn(x: Any, what: str) -> Callable[..., Any]:
+    if isinstance(x, DatasetCreator):
+        return x.dataset_fn
+    if callable(x) and not hasattr(x, "shape"):
+        return x
+    raise ConfigurationError(
+        f"{what} under ParameterServerStrategy takes a per-worker dataset function: "
+        "jaxdist.keras.DatasetCreator(dataset_fn) (or dataset_fn itself), TF's rule; "
+        f"got {type(x).__name__}")
+
+
+def _check_metric_aggregation(model: Any) -> None:
+    for v in model.metrics_variables:
+        if getattr(v, "aggregation", "sum") != "sum":
+            raise NotImplementedError(
+                f"metric variable {v.path} has aggregation {v.aggregation!r}: under ParameterServerStrategy the "
+                "workers' metric states are added up, which needs aggregation='sum' (Keras's default for metrics)")
+
+
+def _build(model: Any, batch: Any) -> PSModel:
+    """Build the model, its compiled loss and metrics from one batch (as Keras's fit does), then its PS state."""
+    model._symbolic_build(data_batch=batch)
+    _check_metric_aggregation(model)
+    pm = ps_model(model)
+    assert pm is not None
+    return pm
+
+
+def _steps_per_execution(model: Any) -> int:
+    return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+
+def _refuse(name: str, value: Any, default: Any, why: str) -> None:
+    if value is not default and value != default:
+        raise ValueError(f"{name}={value!r} is not supported under ParameterServerStrategy: {why}")
+
+
+def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1, verbose: Any = "auto",
+        callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+        class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+        validation_steps: int | None = None, validation_batch_size: int | None = None,
+        validation_freq: int = 1) -> Any:
+    """Keras's ``fit`` under ParameterServerStrategy (see the module docstring); returns the History."""
+    fn = _dataset_fn(x, "fit")
+    if steps_per_epoch is None:
+        raise ValueError("fit() under ParameterServerStrategy needs steps_per_epoch (TF's rule: the per-worker "
+                         "datasets repeat, so an epoch is a number of steps)")
+    for name, value, why in (("y", y, "the dataset_fn's batches carry the targets"),
+                             ("batch_size", batch_size, "dataset_fn batches its data"),
+                             ("sample_weight", sample_weight, "put sample weights in the dataset_fn's batches"),
+                             ("class_weight", class_weight, "weight the samples in dataset_fn's batches"),
+                             ("validation_batch_size", validation_batch_size, "pass validation arrays with their batch "
+                              "size through validation_data=(x, y) and compile-time defaults")):
+        _refuse(name, value, None, why)
+    _refuse("validation_split", validation_split, 0.0, "pass validation_data")
+    _refuse("shuffle", shuffle, True, "shuffling is dataset_fn's job")
+    strategy = ps_strategy_of(model)
+    coord = _coordinator(strategy)
+    pm = _build(model, next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1)))))
+    spec = pm.spec()
+    spe = _steps_per_execution(model)
+    fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}
+    it = iter(coord.create_per_worker_dataset(RepeatingDatasetFn(fn)))
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
+                                       epochs=epochs, steps=steps_per_epoch, model=model)
+    model.stop_training = False
+    cbs.on_train_begin()
+    training_logs: dict[str, Any] | None = None
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        cbs.on_epoch_begin(epoch)
+        metrics = _Metrics(model, spec.metric_init)
+        inflight = _InFlight(metrics, IN_FLIGHT_PER_WORKER * max(1, coord.active_workers))
+        step = 0
+        while step < steps_per_epoch:
+            k = min(spe, steps_per_epoch - step)
+            cbs.on_train_batch_begin(step)
+            inflight.add(coord.schedule(fns[k], args=(it,)))
+            step += k
+            cbs.on_train_batch_end(step - 1, metrics.logs())
+            if model.stop_training:
+                break
+        coord.join()
+        inflight.drain()
+        pm.check_learning_rate()
+        pm.sync()
+        epoch_logs = metrics.logs()
+        if validation_data is not None and model._should_eval(epoch, validation_freq):
+            val = evaluate(model, *_validation_args(validation_data), steps=validation_steps, verbose=0,
+                           return_dict=True)
+            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        cbs.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    cbs.on_train_end(logs=training_logs)
+    return model.history
+
+
+def _validation_args(validation_data: Any) -> tuple[Any, ...]:
+    if isinstance(validation_data, (tuple, list)):
+        return tuple(validation_data) + (None,) * (3 - len(validation_data))
+    return (validation_data, None, None)
+
+
+def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None, batch_size: int | None = None,
+             verbose: Any = "auto", steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
+             **kwargs: Any) -> Any:
+    """Keras's ``evaluate`` under ParameterServerStrategy: every batch exactly once (see the module docstring)."""
+    if kwargs:
+        raise ValueError(f"evaluate() under ParameterServerStrategy does not take {sorted(kwargs)}")
+    if isinstance(x, DatasetCreator) or (callable(x) and not hasattr(x, "shape")):
+        for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size)):
+            _refuse(name, value, None, "dataset_fn's batches carry them")
+        if steps is None:
+            raise ValueError("evaluate(DatasetCreator) under ParameterServerStrategy needs steps= (the number of "
+                             "batches of the evaluation set, each evaluated exactly once)")
+        source: Any = _dataset_fn(x, "evaluate")
+        first = _Sequence(source)(InputContext(1, 0, 1))
+        num_batches = int(steps)
+        if len(first) < num_batches:
+            raise ValueError(f"evaluate(steps={steps}): dataset_fn's sequence has only {len(first)} batches")
+        first_batch = first[0]
+    else:
+        if x is None:
+            raise ValueError("evaluate() needs x")
+        source = ArrayBatches(x, y, sample_weight, 32 if batch_size is None else batch_size)
+        num_batches = len(source) if steps is None else min(int(steps), len(source))
+        first_batch = source[0]
+    strategy = ps_strategy_of(model)
+    coord = _coordinator(strategy)
+    pm = _build(model, first_batch)
+    spec = pm.spec()
+    spe = _steps_per_execution(model)
+    it = iter(coord.create_per_worker_dataset(_Sequence(source), exactly_once=True, num_batches=num_batches))
+    step_fn = EvalSteps(spec, spe)
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                                       steps=num_batches, model=model)
+    model.reset_metrics()
+    metrics = _Metrics(model, spec.metric_init)
+    inflight = _InFlight(metrics, IN_FLIGHT_PER_WORKER * max(1, coord.active_workers))
+    cbs.on_test_begin()
+    for begin in range(0, num_batches, spe):
+        cbs.on_test_batch_begin(begin)
+        inflight.add(coord.schedule(step_fn, args=(it,)))
+        cbs.on_test_batch_end(min(begin + spe, num_batches) - 1, metrics.logs())
+    coord.join()
+    inflight.drain()
+    logs = metrics.logs()
+    cbs.on_test_end(logs)
+    if return_dict:
+        return logs
+    return model._flatten_metrics_in_order(logs)
+
+
+def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Keras's own ``predict`` on the coordinator, with the PS's current weights."""
+    pm = ps_model(model)
+    if pm is not None:
+        pm.sync()
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        return method(model, *args, **kwargs)
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
+def route(model: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The PS implementation of Keras entry point ``name`` for ``model`` (None: not a PS model)."""
+    if ps_strategy_of(model) is None:
+        return None
+    if name == "fit":
+        return functools.partial(fit, model)
+    if name == "evaluate":
+        return functools.partial(evaluate, model)
+    if name == "predict":
+        return functools.partial(predict, model, method)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{name} under ParameterServerStrategy is not supported: use fit/evaluate (closures on the workers) "
+            "or predict (on the coordinator)")
+
+    return refuse
