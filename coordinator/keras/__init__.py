@@ -58,7 +58,7 @@ from jaxdist.keras.distribution import (  # noqa: E402
     UnsupportedStrategyDistribution,
     install_data_placement,
 )
-from jaxdist.keras.ps_model import PSDistribution  # noqa: E402
+from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 
@@ -74,5 +74,6 @@ __all__ = [
     "distribution_for",
     "install_data_placement",
     "keras_scope",
+    "ps_variables",
     "require_jax_backend",
 ]

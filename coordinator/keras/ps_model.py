@@ -33,13 +33,13 @@ from keras.distribution import DeviceMesh, TensorLayout
 from keras.src.distribution.distribution_lib import Distribution
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.keras.ps_optimizers import learning_rate_of, to_optax
+from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, to_optax
 from jaxdist.keras.ps_worker import ModelSpec
 from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "ps_model", "ps_strategy_of"]
+__all__ = ["PSDistribution", "PSModel", "ps_model", "ps_strategy_of", "ps_variables"]
 
 _lock = threading.Lock()
 #: Keras variables created in a PSDistribution's scope -> that distribution (by id; weak values).
@@ -121,13 +121,12 @@ class PSModel:
         self.tx = to_optax(model.optimizer)
         self.learning_rate = learning_rate_of(model.optimizer)
         self.uid = uuid.uuid4().hex[:12]
-        prefix = f"keras/{_safe(model.name)}"
-        self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"{prefix}/{_safe(v.path)}", optimizer=self.tx)
+        self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", optimizer=self.tx)
                           for v in model.trainable_variables]
-        self.non_trainable = [strategy.create_variable(np.asarray(v.value), name=f"{prefix}/{_safe(v.path)}", trainable=False)
+        self.non_trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", trainable=False)
                               for v in model.non_trainable_variables]
         self.iterations = strategy.create_variable(np.asarray(int(model.optimizer.iterations.numpy()), np.int64),
-                                                   name=f"{prefix}/iterations", trainable=False)
+                                                   name=f"keras/{_safe(model.name)}/iterations", trainable=False)
         self._spec: ModelSpec | None = None
         logger.info("Keras model %s: %d trainable, %d non-trainable variables on %d PS tasks", model.name,
                     len(self.trainable), len(self.non_trainable), strategy.num_ps)
@@ -138,7 +137,8 @@ class PSModel:
             m = self.model
             m.reset_metrics()
             self._spec = ModelSpec(self.uid, m.to_json(), m.get_compile_config(), self.trainable, self.non_trainable,
-                                   self.iterations, [np.asarray(v.value) for v in m.metrics_variables])
+                                   self.iterations, [np.asarray(v.value) for v in m.metrics_variables],
+                                   clipping_of(self.optimizer))
         return self._spec
 
     def check_learning_rate(self) -> None:
@@ -174,3 +174,19 @@ def ps_model(model: Any) -> PSModel | None:
     made = PSModel(model, strategy)
     with _lock:
         return _models.setdefault(model, made)
+
+
+def ps_variables(model: Any) -> list[Any]:
+    """The PS variables of ``model``'s trainable variables, in ``model.trainable_variables`` order
+    (a :class:`jaxdist.ShardedVariable` where the partitioner split one).
+
+    Raises:
+        ConfigurationError: ``model`` was not built in a ParameterServerStrategy's scope, or has not been
+            fitted or evaluated yet (its variables are made on the PS then).
+    """
+    with _lock:
+        got = _models.get(model)
+    if got is None:
+        raise ConfigurationError("this Keras model has no variables on parameter servers (yet): build and compile it "
+                                 "in ParameterServerStrategy.scope(), then fit or evaluate it")
+    return list(got.trainable)

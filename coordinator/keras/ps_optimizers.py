@@ -10,10 +10,11 @@ square root), so a PS run with one worker follows Keras's single-device run.
 
 Supported: ``SGD`` (``momentum``, ``nesterov``), ``Adam`` (``amsgrad``),
 ``RMSprop`` (``rho``, ``momentum``, ``centered``), ``Adagrad``
-(``initial_accumulator_value``), each with a constant float learning rate and
-optionally ``clipnorm`` (per variable, as Keras) or ``clipvalue``. Anything
-else (another optimizer class, a learning-rate schedule, ``weight_decay``,
-``global_clipnorm``, EMA, loss scaling, gradient accumulation) raises
+(``initial_accumulator_value``), each with a constant float learning rate;
+``clipnorm``, ``global_clipnorm`` and ``clipvalue`` are applied by the
+workers (:func:`clipping_of`). Anything else (another optimizer class, a
+learning-rate schedule, ``weight_decay``, EMA, loss scaling, gradient
+accumulation) raises
 :class:`UnsupportedOptimizerError`: the PS would otherwise silently apply
 another rule.
 
@@ -33,7 +34,7 @@ from jaxdist.base.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnsupportedOptimizerError", "to_optax", "learning_rate_of"]
+__all__ = ["UnsupportedOptimizerError", "clipping_of", "learning_rate_of", "to_optax"]
 
 
 class UnsupportedOptimizerError(ConfigurationError):
@@ -41,7 +42,7 @@ class UnsupportedOptimizerError(ConfigurationError):
 
 
 #: Base-optimizer settings that must keep their defaults (what the PS does not implement).
-_MUST_BE_UNSET = ("weight_decay", "global_clipnorm", "loss_scale_factor", "gradient_accumulation_steps")
+_MUST_BE_UNSET = ("weight_decay", "loss_scale_factor", "gradient_accumulation_steps")
 
 
 def learning_rate_of(optimizer: Any) -> float:
@@ -69,16 +70,15 @@ def _check_base(optimizer: Any) -> None:
         raise UnsupportedOptimizerError("use_ema=True is not supported under ParameterServerStrategy")
 
 
-def _clipping(optimizer: Any) -> list[optax.GradientTransformation]:
+def clipping_of(optimizer: Any) -> dict[str, float]:
+    """The optimizer's gradient clipping (``clipnorm``, ``global_clipnorm``, ``clipvalue``; unset ones left out).
+
+    Clipping runs on the worker, which has every variable's whole gradient
+    (a partitioned variable's shards reach their PS tasks separately), with
+    Keras's own code (:class:`jaxdist.keras.ps_worker.TrainSteps`).
+    """
     cfg = optimizer.get_config()
-    out = []
-    if cfg.get("clipvalue") is not None:
-        out.append(optax.clip(float(cfg["clipvalue"])))
-    if cfg.get("clipnorm") is not None:
-        # Keras clips each variable's gradient by its own norm; the PS sees one variable at a time, so
-        # the "global" norm of one variable is that variable's norm.
-        out.append(optax.clip_by_global_norm(float(cfg["clipnorm"])))
-    return out
+    return {k: float(cfg[k]) for k in ("clipnorm", "global_clipnorm", "clipvalue") if cfg.get(k) is not None}
 
 
 def to_optax(optimizer: Any) -> optax.GradientTransformation:
@@ -104,8 +104,7 @@ def to_optax(optimizer: Any) -> optax.GradientTransformation:
         raise UnsupportedOptimizerError(
             f"Keras optimizer {name} is not supported under ParameterServerStrategy; use SGD, Adam, RMSprop or Adagrad"
         )
-    clips = _clipping(optimizer)
-    return optax.chain(*clips, rule) if clips else rule
+    return rule
 
 
 def _sgd(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:

@@ -46,7 +46,8 @@ class ModelSpec:
     """What a worker needs to run a model's steps: its config and its PS variables (picklable, small)."""
 
     def __init__(self, uid: str, model_json: str, compile_config: dict[str, Any], trainable: list[Any],
-                 non_trainable: list[Any], iterations: Any, metric_init: list[np.ndarray]) -> None:
+                 non_trainable: list[Any], iterations: Any, metric_init: list[np.ndarray],
+                 clipping: dict[str, float]) -> None:
         self.uid = uid
         self.model_json = model_json
         self.compile_config = compile_config
@@ -54,6 +55,7 @@ class ModelSpec:
         self.non_trainable = non_trainable
         self.iterations = iterations
         self.metric_init = metric_init
+        self.clipping = clipping
 
 
 class _WorkerModel:
@@ -64,9 +66,9 @@ class _WorkerModel:
 
         model = keras.models.model_from_json(spec.model_json)
         config = dict(spec.compile_config)
-        # The PS runs the optimizer; the worker's copy only needs one without slots (Keras's loss
-        # computation reads the optimizer's variables: its step and learning rate).
-        config["optimizer"] = keras.optimizers.serialize(keras.optimizers.SGD())
+        # The PS runs the optimizer; the worker's copy needs one without slots (Keras's loss computation
+        # reads the optimizer's variables: its step and learning rate) that clips gradients as the user's does.
+        config["optimizer"] = keras.optimizers.serialize(keras.optimizers.SGD(**spec.clipping))
         model.compile_from_config(config)
         self.model = model
         self.spec = spec
@@ -100,7 +102,7 @@ class _WorkerModel:
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sw, training=True, optimizer_variables=opt_vars)
         unscaled_loss, y_pred, non_trainable, metrics = aux
         _, metrics = m._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sw)
-        return grads, non_trainable, metrics
+        return m.optimizer._clip_gradients(grads), non_trainable, metrics
 
     def train(self, batches: Iterator[Any], steps: int, metrics: list[Any]) -> list[Any]:
         spec = self.spec

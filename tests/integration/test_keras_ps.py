@@ -1,0 +1,425 @@
+"""Keras 3 fit/evaluate/predict under ParameterServerStrategy, on in-process clusters (real gRPC PS and workers).
+
+Keras picks its backend at import and the pytest process stays Keras-free, so
+every check runs in ONE fresh subprocess (``python tests/integration/test_keras_ps.py``)
+that prints one JSON line ``{check: null | traceback}``; each test asserts on
+one check's result. The reference of every comparison is Keras's own
+single-device run of the same program (same initial weights, same batches
+in the same order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
+
+RESULT_PREFIX = "KERAS_PS_RESULTS="
+CHECKS: dict[str, Callable[[], None]] = {}
+
+# float32: the PS applies the update in its own jit, Keras in its fused train step (1-ulp differences).
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers (inside the subprocess)
+# ---------------------------------------------------------------------------------------
+
+
+def _data(n: int = 192, d: int = 8, classes: int = 3, seed: int = 0) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    w = rng.normal(size=(d, classes)).astype(np.float32)
+    y = np.argmax(x @ w + 0.3 * rng.normal(size=(n, classes)), axis=1).astype(np.int32)
+    return x, y
+
+
+class Batches:
+    """The per-worker dataset: fixed batches in order (module-level: it pickles to the workers)."""
+
+    def __init__(self, x: Any, y: Any, batch: int) -> None:
+        self.items = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+
+    def __call__(self, input_context: Any) -> Any:
+        return self.items
+
+
+def _mlp(optimizer: Any, steps_per_execution: int = 1) -> Any:
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _cluster(num_workers: int, num_ps: int) -> Any:
+    from jaxdist.testing import InProcessCluster
+
+    return InProcessCluster(num_workers=num_workers, num_ps=num_ps)
+
+
+def _close(strategy: Any) -> None:
+    coord = strategy.coordinator
+    if coord is not None:
+        coord.shutdown(exit_tasks=False)
+    strategy.close()
+
+
+def _assert_weights(got: list[Any], want: list[Any], what: str) -> None:
+    import numpy as np
+
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{what}: weight {i}")
+
+
+def _parity(make_optimizer: Callable[[], Any], spe: int = 1) -> None:
+    """1 worker (steps in order), 2 PS, every variable partitioned in 2: the same weights, logs and step count as Keras."""
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    epochs, steps = 2, 6  # 6 batches of 32 = one pass per epoch
+    with _cluster(1, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(),
+                                                   variable_partitioner=jaxdist.FixedShardsPartitioner(2))
+        try:
+            with strategy.scope():
+                model = _mlp(make_optimizer(), spe)
+            initial = model.get_weights()
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=epochs, steps_per_epoch=steps,
+                             verbose=0)
+            got = model.get_weights()
+            kernel = jaxdist.keras.ps_variables(model)[0]
+            assert isinstance(kernel, jaxdist.ShardedVariable) and len(kernel.variables) == 2, kernel
+            assert int(model.optimizer.iterations.numpy()) == epochs * steps
+        finally:
+            _close(strategy)
+    ref = _mlp(make_optimizer(), spe)
+    ref.set_weights(initial)
+    ref_hist = ref.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    _assert_weights(got, ref.get_weights(), "PS fit vs Keras fit")
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(hist.history[key], ref_hist.history[key], rtol=1e-5, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------
+
+
+@check
+def parity_sgd() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.1))
+
+
+@check
+def parity_sgd_momentum_steps_per_execution() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.05, momentum=0.9), spe=4)  # 6 steps: closures of 4 then 2
+
+
+@check
+def parity_sgd_nesterov() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.05, momentum=0.8, nesterov=True))
+
+
+@check
+def parity_adam() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01))
+
+
+@check
+def parity_adam_amsgrad_clipnorm() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01, amsgrad=True, clipnorm=0.5))
+
+
+@check
+def parity_rmsprop_centered_momentum() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True))
+
+
+@check
+def parity_rmsprop() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.RMSprop(0.01, clipvalue=0.1))
+
+
+@check
+def parity_sgd_global_clipnorm() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.3))
+
+
+@check
+def parity_adagrad() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adagrad(0.1))
+
+
+@check
+def two_workers_exact_steps_and_metrics() -> None:
+    """2 workers, steps_per_execution 3 over 7 steps: the PS applies exactly 7 steps per epoch, metrics count every row."""
+    import keras
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    with _cluster(2, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.Adam(0.01), steps_per_execution=3)
+            counts = []
+
+            class Counts(keras.callbacks.Callback):
+                def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                    counts.append([float(v.numpy()) for v in self.model.metrics_variables if v.path.endswith("count")])
+
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=3, steps_per_epoch=7, verbose=0,
+                             callbacks=[Counts()])
+            assert int(model.optimizer.iterations.numpy()) == 21
+            assert strategy.coordinator.closure_counts.finished >= 9  # 3 closures (3+3+1 steps) per epoch
+            assert counts and all(c == [7 * 32.0] * len(c) for c in counts), counts  # loss and accuracy: 224 rows each
+            assert len(hist.history["loss"]) == 3 and hist.history["loss"][-1] < hist.history["loss"][0], hist.history
+        finally:
+            _close(strategy)
+
+
+@check
+def evaluate_exactly_once_matches_keras() -> None:
+    """evaluate visits each row once (arrays with a short last batch, and a DatasetCreator sequence); same as Keras."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data(n=250, seed=1)
+    with _cluster(2, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1), steps_per_execution=3)
+            model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 25)), epochs=1, steps_per_epoch=5, verbose=0)
+            got = model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+            count = [float(v.numpy()) for v in model.metrics_variables if v.path.endswith("count")]
+            assert count == [250.0] * len(count), count
+            seq = Batches(x, y, 50)
+            got_seq = model.evaluate(jaxdist.keras.DatasetCreator(seq), steps=5, return_dict=True, verbose=0)
+            as_list = model.evaluate(x, y, batch_size=32, verbose=0)
+            preds = model.predict(x[:10], verbose=0)
+            weights = model.get_weights()
+        finally:
+            _close(strategy)
+    ref = _mlp(keras.optimizers.SGD(0.1))
+    ref.set_weights(weights)
+    want = ref.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(got_seq[key], want[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(as_list, [want["loss"], want["accuracy"]], rtol=1e-5)
+    np.testing.assert_allclose(preds, ref.predict(x[:10], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@check
+def validation_data_is_evaluated_each_epoch() -> None:
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    xv, yv = _data(n=70, seed=3)
+    with _cluster(1, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1))
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=2, steps_per_epoch=6,
+                             validation_data=(xv, yv), verbose=0)
+            last = model.evaluate(xv, yv, return_dict=True, verbose=0)
+        finally:
+            _close(strategy)
+    assert set(hist.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}, hist.history
+    np.testing.assert_allclose(hist.history["val_loss"][-1], last["loss"], rtol=1e-6)
+
+
+@check
+def partitioned_embedding_trains_like_keras() -> None:
+    """An Embedding partitioned over 3 PS tasks (a ShardedVariable): the same weights as Keras's single-device fit."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    vocab, dim, n = 300, 8, 192
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, vocab, size=(n, 4)).astype(np.int32)
+    y = (ids[:, 0] % 2).astype(np.int32)
+
+    def make() -> Any:
+        model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(vocab, dim),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+        model.compile(keras.optimizers.Adagrad(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    with _cluster(1, 3) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(
+            cluster.cluster_resolver(), variable_partitioner=jaxdist.MinSizePartitioner(min_shard_bytes=1024, max_shards=3))
+        try:
+            with strategy.scope():
+                model = make()
+            initial = model.get_weights()
+            model.fit(jaxdist.keras.DatasetCreator(Batches(ids, y, 32)), epochs=3, steps_per_epoch=6, verbose=0)
+            table = jaxdist.keras.ps_variables(model)[0]
+            assert isinstance(table, jaxdist.ShardedVariable) and len(table.variables) == 3, table
+            got = model.get_weights()
+        finally:
+            _close(strategy)
+    ref = make()
+    ref.set_weights(initial)
+    ref.fit(ids, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    _assert_weights(got, ref.get_weights(), "partitioned embedding")
+
+
+@check
+def refusals_are_clear() -> None:
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.base.errors import ConfigurationError
+
+    x, y = _data()
+    data = jaxdist.keras.DatasetCreator(Batches(x, y, 32))
+
+    def raises(exc: type, fn: Callable[[], Any], text: str) -> None:
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e), (text, e)
+        else:
+            raise AssertionError(f"no {exc.__name__} ({text})")
+
+    with _cluster(1, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1))
+                adamax = _mlp(keras.optimizers.Adamax(0.1))
+                decayed = _mlp(keras.optimizers.SGD(0.1, weight_decay=0.01))
+                scheduled = _mlp(keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)))
+            raises(ValueError, lambda: model.fit(data, epochs=1, verbose=0), "steps_per_epoch")
+            raises(ConfigurationError, lambda: model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0), "DatasetCreator")
+            raises(ValueError, lambda: model.evaluate(data, verbose=0), "steps=")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: adamax.fit(data, steps_per_epoch=1, verbose=0),
+                   "Adamax")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: decayed.fit(data, steps_per_epoch=1, verbose=0),
+                   "weight_decay")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: scheduled.fit(data, steps_per_epoch=1, verbose=0),
+                   "schedule")
+            raises(NotImplementedError, lambda: model.train_on_batch(x[:4], y[:4]), "train_on_batch")
+
+            class ChangeLR(keras.callbacks.Callback):
+                def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                    self.model.optimizer.learning_rate.assign(0.5)
+
+            raises(ConfigurationError, lambda: model.fit(data, steps_per_epoch=2, verbose=0, callbacks=[ChangeLR()]),
+                   "learning rate changed")
+            outside = _mlp(keras.optimizers.SGD(0.1))
+            with strategy.scope():
+                raises(ConfigurationError, lambda: outside.fit(x, y, epochs=1, verbose=0), "not built in")
+            # Outside any scope a plain model still trains with Keras alone.
+            outside.fit(x, y, epochs=1, verbose=0)
+            assert np.isfinite(outside.get_weights()[0]).all()
+        finally:
+            _close(strategy)
+
+
+def _run_checks(names: list[str]) -> dict[str, str | None]:
+    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
+
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            CHECKS[name]()
+            results[name] = None
+        except BaseException:  # noqa: BLE001 - report every failure to the parent
+            results[name] = traceback.format_exc()
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# Tests (run in pytest; each asserts on one check of the shared subprocess)
+# ---------------------------------------------------------------------------------------
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER", "SLURM_JOB_ID", "KERAS_BACKEND", "XLA_FLAGS"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def check_results() -> dict[str, str | None]:
+    proc = subprocess.run([sys.executable, __file__, *CHECKS], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=540)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise AssertionError(f"check subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_keras_on_parameter_servers(name: str, check_results: dict[str, str | None]) -> None:
+    assert name in check_results, f"check {name} did not run"
+    err = check_results[name]
+    if err is not None:
+        pytest.fail(f"{name} failed in the subprocess:\n{err}", pytrace=False)
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))), flush=True)
