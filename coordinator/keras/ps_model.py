@@ -33,6 +33,7 @@ from keras.distribution import DeviceMesh, TensorLayout
 from keras.src.distribution.distribution_lib import Distribution
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras.ps_embedding import sparse_embeddings
 from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, to_optax
 from jaxdist.keras.ps_worker import ModelSpec
 from jaxdist.variables import pull
@@ -138,7 +139,7 @@ class PSModel:
             m.reset_metrics()
             self._spec = ModelSpec(self.uid, m.to_json(), m.get_compile_config(), self.trainable, self.non_trainable,
                                    self.iterations, [np.asarray(v.value) for v in m.metrics_variables],
-                                   clipping_of(self.optimizer))
+                                   clipping_of(self.optimizer), sparse_embeddings(m), len(getattr(m, "inputs", None) or []))
         return self._spec
 
     def check_learning_rate(self) -> None:

@@ -6,7 +6,9 @@ PS variable handles, never weights). On a worker the Keras model is rebuilt
 from that config once per model and worker (:func:`worker_model`), then
 every step:
 
-- pulls the model's variables from the PS (one call per PS task, in parallel);
+- pulls the model's variables from the PS (one call per PS task, in parallel;
+  of a row-sparse embedding only the rows the batch looks up:
+  :mod:`jaxdist.keras.ps_embedding`);
 - runs Keras's own stateless step (``compute_loss_and_updates`` under
   ``jax.value_and_grad``, then Keras's metric update), jit-compiled once;
 - training: pushes, in one atomic push per PS task, the gradients (applied
@@ -30,11 +32,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from keras.src.trainers.data_adapters import data_adapter_utils
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.cluster_coordinator.datasets import StepsPerExecution
 from jaxdist.proto.ps_wire import Op
-from jaxdist.variables import gradient_updates, pull, push_updates, split_update
+from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, padded, with_input_dims
+from jaxdist.variables import SparseGradient, gradient_updates, pull, push_updates, split_update
 from jaxdist.worker.context import current_worker_index
 
 logger = logging.getLogger(__name__)
@@ -47,7 +51,7 @@ class ModelSpec:
 
     def __init__(self, uid: str, model_json: str, compile_config: dict[str, Any], trainable: list[Any],
                  non_trainable: list[Any], iterations: Any, metric_init: list[np.ndarray],
-                 clipping: dict[str, float]) -> None:
+                 clipping: dict[str, float], sparse: list[SparseEmbedding], num_inputs: int) -> None:
         self.uid = uid
         self.model_json = model_json
         self.compile_config = compile_config
@@ -56,15 +60,25 @@ class ModelSpec:
         self.iterations = iterations
         self.metric_init = metric_init
         self.clipping = clipping
+        #: Row-sparse Embedding layers (only looked-up rows move: :mod:`jaxdist.keras.ps_embedding`).
+        self.sparse = sparse
+        self.num_inputs = num_inputs
 
 
 class _WorkerModel:
-    """A worker's copy of the model (built from the spec) and its jitted steps."""
+    """A worker's copy of the model (built from the spec) and its jitted steps.
 
-    def __init__(self, spec: ModelSpec) -> None:
+    ``dims`` (row-sparse embeddings): the compact tables' row counts, one per
+    :attr:`ModelSpec.sparse` layer; the copy's layers have that ``input_dim``.
+    """
+
+    def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
         import keras
 
-        model = keras.models.model_from_json(spec.model_json)
+        model_json = spec.model_json
+        if dims is not None:
+            model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
+        model = keras.models.model_from_json(model_json)
         config = dict(spec.compile_config)
         # The PS runs the optimizer; the worker's copy needs one without slots (Keras's loss computation
         # reads the optimizer's variables: its step and learning rate) that clips gradients as the user's does.
@@ -90,12 +104,10 @@ class _WorkerModel:
                 f"trainable/non-trainable/metric vs {len(self.spec.trainable)}/{len(self.spec.non_trainable)}/"
                 f"{len(self.spec.metric_init)}): its layers must be serializable (get_config) and registered "
                 "(keras.saving.register_keras_serializable) in a module the worker imports")
-        self._opt_vars = [v.value for v in m.optimizer.variables]
+        self.opt_vars = [v.value for v in m.optimizer.variables]
         self._built = True
 
     def _train_step(self, trainable: Any, non_trainable: Any, metrics: Any, opt_vars: Any, data: Any) -> Any:
-        from keras.src.trainers.data_adapters import data_adapter_utils
-
         m = self.model
         x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
         grad_fn = jax.value_and_grad(m.compute_loss_and_updates, has_aux=True)
@@ -104,50 +116,101 @@ class _WorkerModel:
         _, metrics = m._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sw)
         return m.optimizer._clip_gradients(grads), non_trainable, metrics
 
-    def train(self, batches: Iterator[Any], steps: int, metrics: list[Any]) -> list[Any]:
-        spec = self.spec
-        for _ in range(steps):
-            batch = next(batches)
-            self.build(batch)
-            values = pull(spec.trainable + spec.non_trainable)
-            trainable, non_trainable = values[:len(spec.trainable)], values[len(spec.trainable):]
-            grads, new_nt, metrics = self._train(trainable, non_trainable, metrics, self._opt_vars, batch)
-            updates = []
-            for var, g in zip(spec.trainable, grads):
-                updates.extend(gradient_updates(var, np.asarray(g), broadcast=False))
-            for var, v in zip(spec.non_trainable, new_nt):
-                updates.extend(split_update(var, Op.ASSIGN, np.asarray(v), broadcast=False))
-            updates.extend(split_update(spec.iterations, Op.ASSIGN_ADD, np.ones((), np.int64)))
-            push_updates(updates)
-        return metrics
+    def train(self, state: tuple[list[Any], list[Any]], metrics: list[Any], batch: Any) -> Any:
+        return self._train(state[0], state[1], metrics, self.opt_vars, batch)
 
-    def evaluate(self, batches: Any, metrics: list[Any]) -> list[Any]:
-        spec = self.spec
-        values = None
-        while len(batches) > 0:
-            batch = next(batches)
-            self.build(batch)
-            if values is None:  # one pull per closure: evaluation changes no variable
-                values = pull(spec.trainable + spec.non_trainable)
-            state = (values[:len(spec.trainable)], values[len(spec.trainable):], metrics)
-            _, (_, _, metrics) = self._test(state, batch)
+    def test(self, state: tuple[list[Any], list[Any]], metrics: list[Any], batch: Any) -> list[Any]:
+        _, (_, _, metrics) = self._test((state[0], state[1], metrics), batch)
         return metrics
 
 
-_models: dict[tuple[str, int], _WorkerModel] = {}
+_models: dict[tuple[str, int, tuple[int, ...] | None], _WorkerModel] = {}
 _models_lock = threading.Lock()
 
 
-def worker_model(spec: ModelSpec) -> _WorkerModel:
-    """This worker's copy of ``spec``'s model, built on first use (one per model and worker index:
-    in-process test clusters run several workers in one process)."""
-    key = (spec.uid, current_worker_index())
+def worker_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _WorkerModel:
+    """This worker's copy of ``spec``'s model (with compact tables of ``dims`` rows), built on first use
+    (one per model, worker index and size class: in-process test clusters run several workers in one process)."""
+    key = (spec.uid, current_worker_index(), dims)
     with _models_lock:
         wm = _models.get(key)
         if wm is None:
-            wm = _WorkerModel(spec)
+            wm = _WorkerModel(spec, dims)
             _models[key] = wm
         return wm
+
+
+class _Step:
+    """One batch on the worker: the model copy to run, the batch for it, and the rows of its sparse tables."""
+
+    def __init__(self, spec: ModelSpec, batch: Any) -> None:
+        self.spec = spec
+        self.rows: dict[int, Rows] = {}
+        if spec.sparse:
+            x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            got = compact_inputs(x, spec.sparse, spec.num_inputs)
+            if got is not None:
+                x, rows = got
+                self.rows = {e.trainable_index: r for e, r in zip(spec.sparse, rows)}
+                self.model = worker_model(spec, tuple(r.size for r in rows))
+                self.batch = data_adapter_utils.pack_x_y_sample_weight(x, y, sw)
+                self.model.build(self.batch)
+                return
+        self.model = worker_model(spec)
+        self.batch = batch
+        self.model.build(batch)
+
+    def dense_variables(self) -> list[Any]:
+        """The variables pulled whole: trainable ones without rows, then the non-trainable ones."""
+        return [v for i, v in enumerate(self.spec.trainable) if i not in self.rows] + self.spec.non_trainable
+
+    def state(self, dense_values: list[Any]) -> tuple[list[Any], list[Any]]:
+        """``(trainable, non_trainable)`` values: the dense ones given, the sparse tables' rows read now."""
+        it = iter(dense_values)
+        trainable = []
+        for i, var in enumerate(self.spec.trainable):
+            r = self.rows.get(i)
+            trainable.append(next(it) if r is None else padded(var.sparse_read(r.ids), r.size))
+        return trainable, list(it)
+
+    def updates(self, grads: list[Any], non_trainable: list[Any]) -> list[Any]:
+        """The step's pushes: gradients (row-sparse for the sparse tables), non-trainable values, step counter +1."""
+        spec = self.spec
+        out = []
+        for i, (var, g) in enumerate(zip(spec.trainable, grads)):
+            r = self.rows.get(i)
+            grad = np.asarray(g) if r is None else SparseGradient(r.ids, np.asarray(g)[:len(r.ids)])
+            out.extend(gradient_updates(var, grad, broadcast=False))
+        for var, v in zip(spec.non_trainable, non_trainable):
+            out.extend(split_update(var, Op.ASSIGN, np.asarray(v), broadcast=False))
+        out.extend(split_update(spec.iterations, Op.ASSIGN_ADD, np.ones((), np.int64)))
+        return out
+
+
+def train(spec: ModelSpec, batches: Iterator[Any], steps: int) -> list[Any]:
+    """``steps`` training steps on ``batches``; returns the metric state accumulated from the reset values."""
+    metrics = list(spec.metric_init)
+    for _ in range(steps):
+        step = _Step(spec, next(batches))
+        with step.model.lock:
+            state = step.state(pull(step.dense_variables()))
+            grads, non_trainable, metrics = step.model.train(state, metrics, step.batch)
+            push_updates(step.updates(grads, non_trainable))
+    return metrics
+
+
+def evaluate(spec: ModelSpec, batches: Any) -> list[Any]:
+    """Every batch ``batches`` holds (an exactly-once closure's); returns the metric state."""
+    metrics = list(spec.metric_init)
+    dense: dict[int, list[Any]] = {}  # evaluation changes no variable: each closure pulls the dense ones once
+    while len(batches) > 0:
+        step = _Step(spec, next(batches))
+        key = len(step.rows)
+        if key not in dense:
+            dense[key] = pull(step.dense_variables())
+        with step.model.lock:
+            metrics = step.model.test(step.state(dense[key]), metrics, step.batch)
+    return metrics
 
 
 def _metrics_out(metrics: list[Any]) -> list[np.ndarray]:
@@ -164,9 +227,7 @@ class TrainSteps:
         self.__qualname__ = self.__name__
 
     def __call__(self, batches: Iterator[Any]) -> list[np.ndarray]:
-        wm = worker_model(self.spec)
-        with wm.lock:
-            return _metrics_out(wm.train(batches, self.steps, list(self.spec.metric_init)))
+        return _metrics_out(train(self.spec, batches, self.steps))
 
 
 class EvalSteps(StepsPerExecution):
@@ -188,9 +249,7 @@ class EvalSteps(StepsPerExecution):
         raise AssertionError("EvalSteps runs its own steps")
 
     def __call__(self, batches: Any) -> list[np.ndarray]:  # type: ignore[override]
-        wm = worker_model(self.spec)
-        with wm.lock:
-            return _metrics_out(wm.evaluate(batches, list(self.spec.metric_init)))
+        return _metrics_out(evaluate(self.spec, batches))
 
 
 class RepeatingDataset:

@@ -281,16 +281,16 @@ def validation_data_is_evaluated_each_epoch() -> None:
     np.testing.assert_allclose(hist.history["val_loss"][-1], last["loss"], rtol=1e-6)
 
 
-@check
-def partitioned_embedding_trains_like_keras() -> None:
-    """An Embedding partitioned over 3 PS tasks (a ShardedVariable): the same weights as Keras's single-device fit."""
+def _embedding_parity(make_optimizer: Callable[[], Any], sparse: bool, vocab: int = 20_000, dim: int = 16) -> None:
+    """An Embedding partitioned over 3 PS tasks (a ShardedVariable): the same weights and evaluation as Keras's
+    single-device fit; with a row-sparse update rule, each step pulls only the looked-up rows of the table."""
     import keras
     import numpy as np
 
     import jaxdist
     import jaxdist.keras
 
-    vocab, dim, n = 300, 8, 192
+    n, batch, epochs, steps = 192, 32, 2, 6
     rng = np.random.default_rng(5)
     ids = rng.integers(0, vocab, size=(n, 4)).astype(np.int32)
     y = (ids[:, 0] % 2).astype(np.int32)
@@ -298,9 +298,12 @@ def partitioned_embedding_trains_like_keras() -> None:
     def make() -> Any:
         model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(vocab, dim),
                                   keras.layers.Flatten(), keras.layers.Dense(2)])
-        model.compile(keras.optimizers.Adagrad(0.5), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
         return model
+
+    def pulled(strategy: Any) -> int:
+        return sum(c.status().counters["bytes_pulled"] for c in strategy.connections.clients)
 
     with _cluster(1, 3) as cluster:
         strategy = jaxdist.ParameterServerStrategy(
@@ -309,16 +312,52 @@ def partitioned_embedding_trains_like_keras() -> None:
             with strategy.scope():
                 model = make()
             initial = model.get_weights()
-            model.fit(jaxdist.keras.DatasetCreator(Batches(ids, y, 32)), epochs=3, steps_per_epoch=6, verbose=0)
+            model_bytes = sum(w.nbytes for w in initial)
+            before = pulled(strategy)
+            model.fit(jaxdist.keras.DatasetCreator(Batches(ids, y, batch)), epochs=epochs, steps_per_epoch=steps,
+                      verbose=0)
+            during_steps = pulled(strategy) - before - epochs * model_bytes  # each epoch end syncs the whole model
             table = jaxdist.keras.ps_variables(model)[0]
             assert isinstance(table, jaxdist.ShardedVariable) and len(table.variables) == 3, table
             got = model.get_weights()
+            got_eval = model.evaluate(ids, y, batch_size=batch, return_dict=True, verbose=0)
         finally:
             _close(strategy)
+    table_bytes = vocab * dim * 4
+    dense_rest = model_bytes - table_bytes
+    if sparse:  # at most batch*4 rows of the table per step, plus the small dense layer
+        assert during_steps <= epochs * steps * (batch * 4 * dim * 4 + dense_rest + 64), (during_steps, table_bytes)
+    else:
+        assert during_steps >= epochs * steps * table_bytes, (during_steps, table_bytes)
     ref = make()
     ref.set_weights(initial)
-    ref.fit(ids, y, batch_size=32, epochs=3, shuffle=False, verbose=0)
+    ref.fit(ids, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
     _assert_weights(got, ref.get_weights(), "partitioned embedding")
+    want = ref.evaluate(ids, y, batch_size=batch, return_dict=True, verbose=0)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got_eval[key], want[key], rtol=1e-5, err_msg=key)
+
+
+@check
+def embedding_rows_only_adagrad() -> None:
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.Adagrad(0.5), sparse=True)
+
+
+@check
+def embedding_rows_only_sgd() -> None:
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.SGD(1.0), sparse=True)
+
+
+@check
+def embedding_dense_under_adam() -> None:
+    """Adam updates every row (Keras's dense rule): the whole table moves, and the result is Keras's."""
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.Adam(0.01), sparse=False, vocab=2_000)
 
 
 @check
