@@ -4,6 +4,9 @@ As tf.keras did under ``ParameterServerStrategy`` (TF's rules):
 
 - ``fit(x=DatasetCreator(dataset_fn) or dataset_fn, epochs=, steps_per_epoch=)``:
   ``steps_per_epoch`` is required; the input is a per-worker dataset function
+  (numpy arrays ``fit(x, y, batch_size=)`` are accepted too, as tf.keras
+  did: each worker reads its shard of the rows, reshuffled every pass, and
+  ``steps_per_epoch`` defaults to one pass, ``ceil(rows / batch_size)``)
   (``ClusterCoordinator.create_per_worker_dataset``); each closure runs
   ``steps_per_execution`` (from ``compile``) training steps on a worker
   (:class:`jaxdist.keras.ps_worker.TrainSteps`). The model's variables live on
@@ -49,7 +52,7 @@ from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, TrainSteps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArrayBatches", "route"]
+__all__ = ["ArrayBatches", "ShardedArrays", "route"]
 
 #: Closures kept in flight per worker (more would only queue; fewer would idle workers between steps).
 IN_FLIGHT_PER_WORKER = 2
@@ -76,6 +79,52 @@ class ArrayBatches:
         if self.sample_weight is not None:
             out += (cut(self.sample_weight),)
         return out
+
+
+class ShardedArrays:
+    """``fit``'s per-worker dataset made from arrays (as tf.keras wrapped arrays in a DatasetCreator).
+
+    Worker ``i`` of ``n`` takes rows ``i, i + n, ...``, reshuffled every pass
+    when ``shuffle`` (seeded by worker and pass), in batches of
+    ``batch_size``; the data travels with the closure's dataset function.
+    """
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool) -> None:
+        self.data = ArrayBatches(x, y, sample_weight, batch_size)
+        self.n = self.data.n
+        self.batch_size = self.data.batch_size
+        self.shuffle = shuffle
+        self.rows = np.arange(self.n)
+        self.seed = 0
+
+    def batch(self, rows: np.ndarray) -> tuple[Any, ...]:
+        d = self.data
+        cut = functools.partial(keras.tree.map_structure, lambda a: np.asarray(a)[rows])
+        out = (cut(d.x),) + (() if d.y is None else (cut(d.y),))
+        return out + (() if d.sample_weight is None else (cut(d.sample_weight),))
+
+    def batches_of(self, rows: np.ndarray) -> list[np.ndarray]:
+        return [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+
+    def __call__(self, input_context: Any) -> ShardedArrays:
+        mine = ShardedArrays.__new__(ShardedArrays)
+        mine.__dict__.update(self.__dict__)
+        mine.rows = np.arange(self.n)[input_context.input_pipeline_id::input_context.num_input_pipelines]
+        mine.seed = input_context.input_pipeline_id
+        return mine
+
+    def __iter__(self) -> Any:
+        rows = self.rows
+        if self.shuffle:
+            rows = np.random.default_rng(self.seed).permutation(rows)
+            self.seed += 1 << 20  # the next pass: another order
+        for part in self.batches_of(rows):
+            yield self.batch(part)
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
+    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "__array__") for a in leaves)
 
 
 class _Sequence:
@@ -181,8 +230,13 @@ def _steps_per_execution(model: Any) -> int:
 
 
 def _refuse(name: str, value: Any, default: Any, why: str) -> None:
-    if value is not default and value != default:
-        raise ValueError(f"{name}={value!r} is not supported under ParameterServerStrategy: {why}")
+    if value is default:
+        return
+    scalar = isinstance(value, (bool, int, float, str))
+    if default is not None and scalar and value == default:
+        return
+    shown = repr(value) if scalar else f"<{type(value).__name__}>"
+    raise ValueError(f"{name}={shown} is not supported under ParameterServerStrategy: {why}")
 
 
 def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1, verbose: Any = "auto",
@@ -191,22 +245,32 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         validation_steps: int | None = None, validation_batch_size: int | None = None,
         validation_freq: int = 1) -> Any:
     """Keras's ``fit`` under ParameterServerStrategy (see the module docstring); returns the History."""
-    fn = _dataset_fn(x, "fit")
-    if steps_per_epoch is None:
-        raise ValueError("fit() under ParameterServerStrategy needs steps_per_epoch (TF's rule: the per-worker "
-                         "datasets repeat, so an epoch is a number of steps)")
-    for name, value, why in (("y", y, "the dataset_fn's batches carry the targets"),
-                             ("batch_size", batch_size, "dataset_fn batches its data"),
-                             ("sample_weight", sample_weight, "put sample weights in the dataset_fn's batches"),
-                             ("class_weight", class_weight, "weight the samples in dataset_fn's batches"),
-                             ("validation_batch_size", validation_batch_size, "pass validation arrays with their batch "
-                              "size through validation_data=(x, y) and compile-time defaults")):
+    if _is_arrays(x):
+        data = ShardedArrays(x, y, sample_weight, 32 if batch_size is None else batch_size, bool(shuffle))
+        fn: Callable[..., Any] = data
+        if steps_per_epoch is None:
+            steps_per_epoch = len(data.batches_of(np.arange(data.n)))
+        first_batch = data.batch(np.arange(min(data.n, data.batch_size)))
+    else:
+        fn = _dataset_fn(x, "fit")
+        if steps_per_epoch is None:
+            raise ValueError("fit(DatasetCreator) under ParameterServerStrategy needs steps_per_epoch (TF's rule: "
+                             "the per-worker datasets repeat, so an epoch is a number of steps)")
+        for name, value, why in (("y", y, "the dataset_fn's batches carry the targets"),
+                                 ("batch_size", batch_size, "dataset_fn batches its data"),
+                                 ("sample_weight", sample_weight, "put sample weights in the dataset_fn's batches")):
+            _refuse(name, value, None, why)
+        _refuse("shuffle", shuffle, True, "shuffling is dataset_fn's job")
+        first_batch = None
+    for name, value, why in (("class_weight", class_weight, "weight the samples (sample_weight)"),
+                             ("validation_batch_size", validation_batch_size, "evaluate() batches of 32 are used")):
         _refuse(name, value, None, why)
     _refuse("validation_split", validation_split, 0.0, "pass validation_data")
-    _refuse("shuffle", shuffle, True, "shuffling is dataset_fn's job")
     strategy = ps_strategy_of(model)
     coord = _coordinator(strategy)
-    pm = _build(model, next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1)))))
+    if first_batch is None:
+        first_batch = next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1))))
+    pm = _build(model, first_batch)
     spec = pm.spec()
     spe = _steps_per_execution(model)
     fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}

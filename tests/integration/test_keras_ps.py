@@ -222,6 +222,26 @@ def two_workers_exact_steps_and_metrics() -> None:
 
 
 @check
+def fit_on_arrays_shards_rows_over_workers() -> None:
+    """fit(x, y, batch_size=) as tf.keras: each worker its shard of the rows; an epoch is one pass of steps by default."""
+    import keras
+
+    import jaxdist
+
+    x, y = _data(n=200)
+    with _cluster(2, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.Adam(0.02), steps_per_execution=2)
+            hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
+            assert int(model.optimizer.iterations.numpy()) == 4 * 7  # ceil(200 / 32) steps per epoch
+            assert hist.history["accuracy"][-1] > 0.8, hist.history
+        finally:
+            _close(strategy)
+
+
+@check
 def evaluate_exactly_once_matches_keras() -> None:
     """evaluate visits each row once (arrays with a short last batch, and a DatasetCreator sequence); same as Keras."""
     import keras
@@ -389,7 +409,10 @@ def refusals_are_clear() -> None:
                 decayed = _mlp(keras.optimizers.SGD(0.1, weight_decay=0.01))
                 scheduled = _mlp(keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)))
             raises(ValueError, lambda: model.fit(data, epochs=1, verbose=0), "steps_per_epoch")
-            raises(ConfigurationError, lambda: model.fit(x, y, epochs=1, steps_per_epoch=2, verbose=0), "DatasetCreator")
+            raises(ConfigurationError, lambda: model.fit((b for b in [(x, y)]), steps_per_epoch=2, verbose=0),
+                   "DatasetCreator")
+            raises(ValueError, lambda: model.fit(data, y, steps_per_epoch=2, verbose=0), "y=")
+            raises(ValueError, lambda: model.fit(x, y, class_weight={0: 1.0}, verbose=0), "class_weight")
             raises(ValueError, lambda: model.evaluate(data, verbose=0), "steps=")
             raises(jaxdist.keras.UnsupportedOptimizerError, lambda: adamax.fit(data, steps_per_epoch=1, verbose=0),
                    "Adamax")
@@ -458,6 +481,24 @@ def test_keras_on_parameter_servers(name: str, check_results: dict[str, str | No
     err = check_results[name]
     if err is not None:
         pytest.fail(f"{name} failed in the subprocess:\n{err}", pytrace=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras_fit_example_on_parameter_servers() -> None:
+    """examples/keras_fit.py --strategy parameter_server (1 PS + 2 worker processes): digits to >= 90% accuracy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "keras_fit.py"), "--strategy", "parameter_server", "--epochs", "4",
+         "--verbose", "0"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=280, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert result["strategy"] == "parameter_server" and result["replicas"] == 1, result
+    assert result["test_accuracy"] >= 0.9, result
+    assert abs(result["test_accuracy"] - result["predict_accuracy"]) < 1e-6, result
 
 
 if __name__ == "__main__":
