@@ -34,11 +34,23 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   ``*_on_batch`` raise NotImplementedError there; per-process input (TF's
   ``FILE`` policy, each process reading its own files) has no API yet.
 - default strategy: Keras unchanged (one device).
-- ``ParameterServerStrategy``: not supported yet; any Keras model use inside
-  its scope raises ``NotImplementedError``.
+- ``ParameterServerStrategy`` (:mod:`jaxdist.keras.ps_fit`): the model's
+  variables live on the PS (partitioned by ``variable_partitioner``), the
+  optimizer (SGD, Adam, RMSprop, Adagrad: Keras's own update rules) runs
+  there, ``fit`` dispatches ``steps_per_execution`` steps per
+  ``ClusterCoordinator`` closure. Input: ``DatasetCreator(dataset_fn)`` with
+  ``steps_per_epoch`` (TF's rule), or arrays (each worker reads its shard).
+  A worker that dies mid-``fit`` has its closures re-run elsewhere: every
+  epoch applies exactly ``steps_per_epoch`` steps, none twice; epoch metrics
+  are the exact sum of the closures' metric states. ``evaluate`` visits
+  every example exactly once, also when workers die; ``predict`` runs on the
+  coordinator with the PS's weights. Row-sparse embeddings move only the
+  looked-up rows (:mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
+  NotImplementedError.
 
-Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
-takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
+Input (synchronous strategies): numpy arrays, Python generators and
+``keras.utils.PyDataset`` as Keras takes them, and any re-iterable of
+batches through :class:`jaxdist.keras.Batches`.
 
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.
@@ -55,7 +67,6 @@ import keras  # noqa: E402,F401  (after the backend is chosen)
 from jaxdist.keras.data import Batches, DatasetCreator  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
-    UnsupportedStrategyDistribution,
     install_data_placement,
 )
 from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
@@ -70,7 +81,6 @@ __all__ = [
     "PSDistribution",
     "UnsupportedOptimizerError",
     "StrategyDistribution",
-    "UnsupportedStrategyDistribution",
     "distribution_for",
     "install_data_placement",
     "keras_scope",

@@ -46,13 +46,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import keras
 from keras.distribution import DataParallel, DeviceMesh, TensorLayout
-from keras.src.distribution.distribution_lib import Distribution  # the base class (not exported by keras.distribution)
 
 from jaxdist.base.errors import ConfigurationError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StrategyDistribution", "UnsupportedStrategyDistribution", "install_data_placement"]
+__all__ = ["StrategyDistribution", "install_data_placement"]
 
 #: The mesh axis the batch is split along (Keras's DataParallel default name).
 BATCH_AXIS = "batch"
@@ -170,42 +169,6 @@ class StrategyDistribution(DataParallel):
 
     def __repr__(self) -> str:
         return f"StrategyDistribution({type(self._strategy).__name__}, {len(self._devices)} replicas)"
-
-
-class UnsupportedStrategyDistribution(Distribution):
-    """Current inside the scope of a strategy whose Keras integration does not exist yet.
-
-    Every question Keras asks it (where a variable goes, how a batch or a layer
-    output is laid out) raises ``NotImplementedError`` naming what is missing,
-    so a Keras model can neither be built nor trained in that scope, instead of
-    silently training somewhere else. Code in the scope that does not use
-    Keras is unaffected.
-    """
-
-    def __init__(self, strategy: Any, missing: str) -> None:
-        devices = np.array(jax.local_devices()[:1], dtype=object)
-        super().__init__(DeviceMesh(shape=(1,), axis_names=[BATCH_AXIS], devices=devices), BATCH_AXIS, False)
-        self._message = (
-            f"Keras models under {type(strategy).__name__}.scope() are not supported yet: {missing}. "
-            "Build and train the Keras model outside this scope, or use a synchronous strategy "
-            "(MirroredStrategy, MultiWorkerMirroredStrategy, ...)"
-        )
-
-    @property
-    def num_model_replicas(self) -> int:
-        raise NotImplementedError(self._message)
-
-    def get_data_layout(self, data_shape: Any) -> TensorLayout:
-        raise NotImplementedError(self._message)
-
-    def get_variable_layout(self, variable: Any) -> TensorLayout:
-        raise NotImplementedError(self._message)
-
-    def get_tensor_layout(self, path: Any) -> TensorLayout | None:
-        raise NotImplementedError(self._message)
-
-    def distribute_dataset(self, dataset: Any) -> Any:
-        raise NotImplementedError(self._message)
 
 
 _install_lock = threading.Lock()
