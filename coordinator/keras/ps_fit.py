@@ -151,17 +151,22 @@ class _Metrics:
         self.init = init
         self.total = [np.array(a, dtype=np.float64 if np.issubdtype(a.dtype, np.floating) else a.dtype) for a in init]
         self.closures = 0
+        self._logs: dict[str, Any] | None = None
 
     def add(self, state: list[np.ndarray]) -> None:
         for t, s, i in zip(self.total, state, self.init):
             t += np.asarray(s) - i
         self.closures += 1
+        self._logs = None
 
     def logs(self) -> dict[str, Any]:
-        for v, t in zip(self.model.metrics_variables, self.total):
-            v.assign(t.astype(v.dtype))
-        return {k: float(np.asarray(r)) if np.ndim(r) == 0 else np.asarray(r)
-                for k, r in self.model.get_metrics_result().items()}
+        """Keras's metric results of the sums so far (recomputed only when a closure was added since)."""
+        if self._logs is None:
+            for v, t in zip(self.model.metrics_variables, self.total):
+                v.assign(t.astype(v.dtype))
+            self._logs = {k: float(np.asarray(r)) if np.ndim(r) == 0 else np.asarray(r)
+                          for k, r in self.model.get_metrics_result().items()}
+        return dict(self._logs)
 
 
 class _InFlight:
