@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["ArrayBatches", "ShardedArrays", "route"]
 
-#: Closures kept in flight per worker (more would only queue; fewer would idle workers between steps).
-IN_FLIGHT_PER_WORKER = 2
+#: Closures kept in flight per worker: enough that a worker always has its next closures queued (it takes
+#: several per call), few enough that batch-level logs trail the scheduled steps by little.
+IN_FLIGHT_PER_WORKER = 8
 
 
 class ArrayBatches:
@@ -280,6 +281,14 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     spe = _steps_per_execution(model)
     fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}
     it = iter(coord.create_per_worker_dataset(RepeatingDatasetFn(fn)))
+    val_it = None
+    if validation_data is not None:
+        vx, vy, vsw = _validation_args(validation_data)
+        vsource, val_batches, _ = _eval_source(vx, vy, vsw, None, validation_steps)
+        runs = sum(bool(model._should_eval(e, validation_freq)) for e in range(initial_epoch, epochs))
+        # One exactly-once dataset for every validation of this fit (its ledger runs one pass per validation).
+        val_it = iter(coord.create_per_worker_dataset(_Sequence(vsource), exactly_once=True, num_batches=val_batches,
+                                                      epochs=max(1, runs)))
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
                                        epochs=epochs, steps=steps_per_epoch, model=model)
@@ -305,9 +314,8 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         pm.check_learning_rate()
         pm.sync()
         epoch_logs = metrics.logs()
-        if validation_data is not None and model._should_eval(epoch, validation_freq):
-            val = evaluate(model, *_validation_args(validation_data), steps=validation_steps, verbose=0,
-                           return_dict=True)
+        if val_it is not None and model._should_eval(epoch, validation_freq):
+            val = _run_evaluation(model, coord, pm, val_it, val_batches, 0, None)
             epoch_logs.update({f"val_{k}": v for k, v in val.items()})
         cbs.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
@@ -323,12 +331,8 @@ def _validation_args(validation_data: Any) -> tuple[Any, ...]:
     return (validation_data, None, None)
 
 
-def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None, batch_size: int | None = None,
-             verbose: Any = "auto", steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
-             **kwargs: Any) -> Any:
-    """Keras's ``evaluate`` under ParameterServerStrategy: every batch exactly once (see the module docstring)."""
-    if kwargs:
-        raise ValueError(f"evaluate() under ParameterServerStrategy does not take {sorted(kwargs)}")
+def _eval_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None) -> tuple[Any, int, Any]:
+    """``(dataset source, number of batches, first batch)`` of evaluate's input."""
     if isinstance(x, DatasetCreator) or (callable(x) and not hasattr(x, "shape")):
         for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size)):
             _refuse(name, value, None, "dataset_fn's batches carry them")
@@ -337,22 +341,34 @@ def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None
                              "batches of the evaluation set, each evaluated exactly once)")
         source: Any = _dataset_fn(x, "evaluate")
         first = _Sequence(source)(InputContext(1, 0, 1))
-        num_batches = int(steps)
-        if len(first) < num_batches:
+        if len(first) < int(steps):
             raise ValueError(f"evaluate(steps={steps}): dataset_fn's sequence has only {len(first)} batches")
-        first_batch = first[0]
-    else:
-        if x is None:
-            raise ValueError("evaluate() needs x")
-        source = ArrayBatches(x, y, sample_weight, 32 if batch_size is None else batch_size)
-        num_batches = len(source) if steps is None else min(int(steps), len(source))
-        first_batch = source[0]
-    strategy = ps_strategy_of(model)
-    coord = _coordinator(strategy)
+        return source, int(steps), first[0]
+    if x is None:
+        raise ValueError("evaluate() needs x")
+    source = ArrayBatches(x, y, sample_weight, 32 if batch_size is None else batch_size)
+    return source, len(source) if steps is None else min(int(steps), len(source)), source[0]
+
+
+def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None, batch_size: int | None = None,
+             verbose: Any = "auto", steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
+             **kwargs: Any) -> Any:
+    """Keras's ``evaluate`` under ParameterServerStrategy: every batch exactly once (see the module docstring)."""
+    if kwargs:
+        raise ValueError(f"evaluate() under ParameterServerStrategy does not take {sorted(kwargs)}")
+    source, num_batches, first_batch = _eval_source(x, y, sample_weight, batch_size, steps)
+    coord = _coordinator(ps_strategy_of(model))
     pm = _build(model, first_batch)
+    it = iter(coord.create_per_worker_dataset(_Sequence(source), exactly_once=True, num_batches=num_batches))
+    logs = _run_evaluation(model, coord, pm, it, num_batches, verbose, callbacks)
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: int, verbose: Any,
+                    callbacks: Any) -> dict[str, Any]:
+    """One pass over ``num_batches`` batches of exactly-once iterator ``it``; returns the logs."""
     spec = pm.spec()
     spe = _steps_per_execution(model)
-    it = iter(coord.create_per_worker_dataset(_Sequence(source), exactly_once=True, num_batches=num_batches))
     step_fn = EvalSteps(spec, spe)
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
@@ -369,9 +385,7 @@ def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None
     inflight.drain()
     logs = metrics.logs()
     cbs.on_test_end(logs)
-    if return_dict:
-        return logs
-    return model._flatten_metrics_in_order(logs)
+    return logs
 
 
 def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

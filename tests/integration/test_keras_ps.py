@@ -501,5 +501,29 @@ def test_keras_fit_example_on_parameter_servers() -> None:
     assert abs(result["test_accuracy"] - result["predict_accuracy"]) < 1e-6, result
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_keras_ps_prints_its_figures() -> None:
+    """bench/bench_keras_ps.py (one tiny round): both contenders' medians, the ratio, the embedding figure."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "bench_keras_ps.py"), "--rounds", "1", "--epochs", "2", "--steps", "8",
+         "--spe", "4", "--batch", "32", "--hidden", "32", "--vocab", "20000", "--dim", "8", "--emb-examples", "256"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=380, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    medians = {r["contender"]: r["median_steps_per_s"] for r in rows if "median_steps_per_s" in r}
+    assert set(medians) == {"keras_fit", "custom_loop"} and min(medians.values()) > 0, rows
+    (ratio,) = [r for r in rows if r["figure"] == "keras_ps_fit_ratio"]
+    assert ratio["keras_fit_over_custom_loop"] > 0
+    (emb,) = [r for r in rows if r["figure"] == "keras_ps_embedding"]
+    assert emb["shards"] == 2 and emb["steps_per_s"] > 0, emb
+    # Only looked-up rows move: 32 rows x 8 ids x 8 floats per step at most, plus the small dense layer.
+    assert 0 < emb["bytes_pulled_per_step"] < emb["table_bytes"] / 10, emb
+    assert 0 <= emb["accuracy"] <= 1 and 0 <= emb["keras_single_process_accuracy"] <= 1, emb
+
+
 if __name__ == "__main__":
     print(RESULT_PREFIX + json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))), flush=True)
