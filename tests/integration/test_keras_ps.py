@@ -91,7 +91,17 @@ def _assert_weights(got: list[Any], want: list[Any], what: str) -> None:
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{what}: weight {i}")
 
 
-def _parity(make_optimizer: Callable[[], Any], spe: int = 1) -> None:
+def _bn_dropout(optimizer: Any, steps_per_execution: int = 1) -> Any:
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                              keras.layers.Activation("relu"), keras.layers.Dropout(0.3, seed=7), keras.layers.Dense(3)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _parity(make_optimizer: Callable[[], Any], spe: int = 1, make_model: Callable[..., Any] = _mlp) -> None:
     """1 worker (steps in order), 2 PS, every variable partitioned in 2: the same weights, logs and step count as Keras."""
     import numpy as np
 
@@ -105,20 +115,21 @@ def _parity(make_optimizer: Callable[[], Any], spe: int = 1) -> None:
                                                    variable_partitioner=jaxdist.FixedShardsPartitioner(2))
         try:
             with strategy.scope():
-                model = _mlp(make_optimizer(), spe)
-            initial = model.get_weights()
+                model = make_model(make_optimizer(), spe)
+            initial = [v.numpy() for v in model.variables]  # with the seed and BatchNormalization state
             hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=epochs, steps_per_epoch=steps,
                              verbose=0)
-            got = model.get_weights()
+            got = [v.numpy() for v in model.variables]
             kernel = jaxdist.keras.ps_variables(model)[0]
             assert isinstance(kernel, jaxdist.ShardedVariable) and len(kernel.variables) == 2, kernel
             assert int(model.optimizer.iterations.numpy()) == epochs * steps
         finally:
             _close(strategy)
-    ref = _mlp(make_optimizer(), spe)
-    ref.set_weights(initial)
+    ref = make_model(make_optimizer(), spe)
+    for v, value in zip(ref.variables, initial):
+        v.assign(value)
     ref_hist = ref.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
-    _assert_weights(got, ref.get_weights(), "PS fit vs Keras fit")
+    _assert_weights(got, [v.numpy() for v in ref.variables], "PS fit vs Keras fit")
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(hist.history[key], ref_hist.history[key], rtol=1e-5, err_msg=key)
 
@@ -189,6 +200,14 @@ def parity_adagrad() -> None:
     import keras
 
     _parity(lambda: keras.optimizers.Adagrad(0.1))
+
+
+@check
+def parity_batchnorm_dropout() -> None:
+    """Non-trainable state (BatchNormalization statistics, Dropout's seed) lives on the PS and follows Keras's."""
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01), spe=2, make_model=_bn_dropout)
 
 
 @check
