@@ -27,7 +27,6 @@ The last line is ``RESULT {...}`` (JSON: strategy, replicas, test accuracy and l
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 
@@ -42,8 +41,7 @@ def parameter_server_strategy() -> jaxdist.ParameterServerStrategy:
     if os.environ.get("TF_CONFIG"):
         resolver = jaxdist.TFConfigClusterResolver()
     else:
-        cluster = jaxdist.LocalCluster(num_workers=2, num_ps=1).start()
-        atexit.register(cluster.stop)
+        cluster = jaxdist.LocalCluster(num_workers=2, num_ps=1).start()  # stopped at exit (LocalCluster's own atexit)
         resolver = cluster.cluster_resolver()
     return jaxdist.ParameterServerStrategy(resolver, variable_partitioner=jaxdist.MinSizePartitioner(max_shards=2))
 
