@@ -268,9 +268,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
             _refuse(name, value, None, why)
         _refuse("shuffle", shuffle, True, "shuffling is dataset_fn's job")
         first_batch = None
-    for name, value, why in (("class_weight", class_weight, "weight the samples (sample_weight)"),
-                             ("validation_batch_size", validation_batch_size, "evaluate() batches of 32 are used")):
-        _refuse(name, value, None, why)
+    _refuse("class_weight", class_weight, None, "weight the samples (sample_weight)")
     _refuse("validation_split", validation_split, 0.0, "pass validation_data")
     strategy = ps_strategy_of(model)
     coord = _coordinator(strategy)
@@ -284,7 +282,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     val_it = None
     if validation_data is not None:
         vx, vy, vsw = _validation_args(validation_data)
-        vsource, val_batches, _ = _eval_source(vx, vy, vsw, None, validation_steps)
+        vsource, val_batches, _ = _eval_source(vx, vy, vsw, validation_batch_size, validation_steps)
         runs = sum(bool(model._should_eval(e, validation_freq)) for e in range(initial_epoch, epochs))
         # One exactly-once dataset for every validation of this fit (its ledger runs one pass per validation).
         val_it = iter(coord.create_per_worker_dataset(_Sequence(vsource), exactly_once=True, num_batches=val_batches,
