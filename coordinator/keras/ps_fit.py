@@ -29,6 +29,12 @@ re-runs happen) and lets Keras compute ``result()`` from the sums. Batch-level
 logs show the closures finished so far; epoch logs cover every step.
 Callbacks see the PS's weights at epoch boundaries (``model`` is synced after
 every epoch); mid-epoch they see the weights of the last sync.
+
+Each ``fit`` makes one per-worker training dataset (and one exactly-once
+validation dataset), each ``evaluate`` one exactly-once dataset: per-worker
+resources of the coordinator, kept on the workers (and rebuilt on a worker
+that restarts) for the coordinator's lifetime, as every
+``create_per_worker_dataset``.
 """
 
 from __future__ import annotations
