@@ -248,7 +248,7 @@ class EvalSteps(StepsPerExecution):
     def _unused(*args: Any) -> None:  # pragma: no cover - __call__ is overridden
         raise AssertionError("EvalSteps runs its own steps")
 
-    def __call__(self, batches: Any) -> list[np.ndarray]:  # type: ignore[override]
+    def __call__(self, batches: Any) -> list[np.ndarray]:
         return _metrics_out(evaluate(self.spec, batches))
 
 
