@@ -48,6 +48,12 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   looked-up rows (:mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
   NotImplementedError.
 
+Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
+work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
+``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
+contract and event files (``pip install 'jaxdist[tensorboard]'``).
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch.
+
 Input (synchronous strategies): numpy arrays, Python generators and
 ``keras.utils.PyDataset`` as Keras takes them, and any re-iterable of
 batches through :class:`jaxdist.keras.Batches`.
@@ -64,6 +70,7 @@ require_jax_backend()
 
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
+from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
 from jaxdist.keras.data import Batches, DatasetCreator  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
@@ -72,15 +79,18 @@ from jaxdist.keras.distribution import (  # noqa: E402
 from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 
 install_data_placement()
 
 __all__ = [
+    "BackupAndRestore",
     "Batches",
     "DatasetCreator",
     "PSDistribution",
     "UnsupportedOptimizerError",
     "StrategyDistribution",
+    "TensorBoard",
     "distribution_for",
     "install_data_placement",
     "keras_scope",

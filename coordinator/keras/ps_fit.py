@@ -407,12 +407,21 @@ def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -
 
 def route(model: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any] | None:
     """The PS implementation of Keras entry point ``name`` for ``model`` (None: not a PS model)."""
-    if ps_strategy_of(model) is None:
+    strategy = ps_strategy_of(model)
+    if strategy is None:
         return None
-    if name == "fit":
-        return functools.partial(fit, model)
-    if name == "evaluate":
-        return functools.partial(evaluate, model)
+    if name in ("fit", "evaluate"):
+        run = fit if name == "fit" else evaluate
+
+        def under_strategy(*args: Any, **kwargs: Any) -> Any:
+            # As for the synchronous strategies, fit/evaluate run with the model's strategy current, also when
+            # called outside its scope (callbacks ask keras.distribution.distribution() which strategy trains).
+            from jaxdist.keras.scope import distribution_for
+
+            with distribution_for(strategy).scope():
+                return run(model, *args, **kwargs)
+
+        return under_strategy
     if name == "predict":
         return functools.partial(predict, model, method)
 

@@ -1,0 +1,106 @@
+"""jaxdist.keras.BackupAndRestore: SIGKILL a Keras fit mid-epoch, run the same script again, end with the weights
+of an uninterrupted run (tf.keras's mid-epoch resume, which Keras 3's own callback does not do)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from device_checks import fake_devices_env  # noqa: E402
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    import numpy as np
+    import jaxdist.keras
+    import keras, jaxdist
+
+    backup_dir, strategy_name, spe, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    EPOCHS, GBS = 3, 16          # 100 rows: 7 batches an epoch, the last one short
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(100, 6)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(np.int32)
+
+    def train(callbacks):
+        keras.utils.set_random_seed(0)
+        strategy = {"mirrored": jaxdist.MirroredStrategy, "default": jaxdist.get_strategy}[strategy_name]()
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=spe, metrics=["accuracy"],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=GBS, epochs=EPOCHS, shuffle=False, callbacks=callbacks, verbose=0)
+        return model, history.history
+
+    class Kill(keras.callbacks.Callback):
+        def __init__(self, epoch, batch):
+            super().__init__()
+            self.at, self.epoch = (epoch, batch), 0
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == self.at:
+                print("KILLING", self.epoch, batch, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [jaxdist.keras.BackupAndRestore(backup_dir, save_freq=2)]
+    if kill_at != "none":
+        callbacks.append(Kill(*map(int, kill_at.split(","))))
+    model, history = train(callbacks)
+    resumed = {"weights": [w.tolist() for w in model.get_weights()], "history": history,
+               "iterations": int(model.optimizer.iterations.numpy()), "backup_left": os.path.exists(backup_dir)}
+    ref_model, ref_history = train([])
+    print("RESULT " + json.dumps({"resumed": resumed, "reference": {
+        "weights": [w.tolist() for w in ref_model.get_weights()], "history": ref_history,
+        "iterations": int(ref_model.optimizer.iterations.numpy())}}), flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("strategy", "spe", "kill_at", "resumed_batch"), [
+    ("mirrored", 1, "1,4", 4),   # backups after 2 and 4 batches of epoch 1; killed after its 5th batch
+    ("mirrored", 2, "1,5", 6),   # steps_per_execution=2: callbacks at batches 1, 3, 5; the backup of 6 comes first
+    ("default", 1, "2,2", 2),    # killed after the 3rd batch of the last epoch; backup of 2
+])
+def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
+    tmp_path: Path, strategy: str, spe: int, kill_at: str, resumed_batch: int
+) -> None:
+    import numpy as np
+
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    backup = tmp_path / "backup"
+    env = fake_devices_env(8)
+    killed = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), kill_at], env=env,
+                            capture_output=True, text=True, timeout=280)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert "KILLING" in killed.stdout
+    latest = json.loads((backup / "latest.json").read_text())
+    assert (latest["epoch"], latest["batch"]) == (int(kill_at.split(",")[0]), resumed_batch)
+    again = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), "none"], env=env,
+                           capture_output=True, text=True, timeout=280)
+    assert again.returncode == 0, again.stderr[-3000:]
+    out = json.loads(again.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    resumed, reference = out["resumed"], out["reference"]
+    # Every step trained exactly once: the optimizer's iteration count is the uninterrupted run's.
+    assert resumed["iterations"] == reference["iterations"] == 3 * 7
+    for got, want in zip(resumed["weights"], reference["weights"], strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+    # The resumed run's History covers the epochs it ran; the interrupted epoch's metrics cover the whole epoch
+    # (its partial sums were in the backup).
+    epoch = int(kill_at.split(",")[0])
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(resumed["history"][key], reference["history"][key][epoch:], rtol=1e-5)
+    assert not resumed["backup_left"]  # delete_checkpoint: the finished run removed it
