@@ -31,8 +31,9 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   every process feeds the same input and keeps its replicas' rows (TF's
   ``DATA`` auto-shard policy); the processes agree on Keras's random seed so
   initial weights match; ``predict`` gathers its outputs to every process.
-  ``*_on_batch`` raise NotImplementedError there; per-process input (TF's
-  ``FILE`` policy, each process reading its own files) has no API yet.
+  ``*_on_batch`` raise NotImplementedError there. Per-process input (TF's
+  ``FILE`` policy, each process reading its own files):
+  ``Batches(iterable, per_process=True)``.
 - default strategy: Keras unchanged (one device).
 - ``ParameterServerStrategy`` (:mod:`jaxdist.keras.ps_fit`): the model's
   variables live on the PS (partitioned by ``variable_partitioner``), the
@@ -52,7 +53,9 @@ Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
 ``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
 contract and event files (``pip install 'jaxdist[tensorboard]'``).
-:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch.
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch;
+:class:`jaxdist.keras.SidecarEvaluator` (also ``jaxdist.SidecarEvaluator``)
+evaluates each new checkpoint from an evaluator task.
 
 Input (synchronous strategies): numpy arrays, Python generators and
 ``keras.utils.PyDataset`` as Keras takes them, and any re-iterable of
@@ -79,6 +82,7 @@ from jaxdist.keras.distribution import (  # noqa: E402
 from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 
 install_data_placement()
@@ -88,6 +92,7 @@ __all__ = [
     "Batches",
     "DatasetCreator",
     "PSDistribution",
+    "SidecarEvaluator",
     "UnsupportedOptimizerError",
     "StrategyDistribution",
     "TensorBoard",

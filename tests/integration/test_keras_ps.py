@@ -487,7 +487,7 @@ def _run_checks(names: list[str]) -> dict[str, str | None]:
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER", "SLURM_JOB_ID", "KERAS_BACKEND", "XLA_FLAGS"):
+    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER", "SLURM_JOB_ID", "KERAS_BACKEND"):
         env.pop(k, None)
     return env
 
