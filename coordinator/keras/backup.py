@@ -25,9 +25,10 @@ callback keeps Keras's constructor and adds what resuming at the batch needs:
 - Keras's callback leaves the model's initial epoch set after ``fit``, so a
   later ``fit`` on the same model skips epochs; this one clears it.
 
-Synchronous strategies in one process. A multi-process
-``MultiWorkerMirroredStrategy`` and ``ParameterServerStrategy`` raise
-``NotImplementedError`` when ``fit`` starts.
+Synchronous strategies, ``MultiWorkerMirroredStrategy`` across processes
+included: process 0 writes the backups and every process reads them, so
+``backup_dir`` must be a directory every process sees (shared storage).
+``ParameterServerStrategy`` raises ``NotImplementedError`` when ``fit`` starts.
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any
 
+import jax
 import numpy as np
 
 import keras
@@ -73,6 +76,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self.save_freq = save_freq
         self.double_checkpoint = bool(double_checkpoint)
         self.delete_checkpoint = delete_checkpoint
+        self._writer = True
         self._epoch = 0
         self._batches_done = 0  # batches of the current epoch trained (or skipped on resume)
         self._since_save = 0
@@ -95,37 +99,52 @@ class BackupAndRestore(keras.callbacks.Callback):
         return latest
 
     def _save(self) -> None:
+        if self._writer:
+            self._save_into(self.backup_dir)
+            return
+        # Reading a multi-process array can be a collective: every process makes the backup (TF's non-chief
+        # workers did too), the others into a temporary directory they then remove.
+        scratch = tempfile.mkdtemp(prefix="jaxdist-backup-")
+        try:
+            self._save_into(scratch)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    def _save_into(self, directory: str) -> None:
         model = self.model  # Callback.model syncs the JAX state onto the model's variables first
-        os.makedirs(self.backup_dir, exist_ok=True)
+        os.makedirs(directory, exist_ok=True)
         self._serial += 1
         stem = f"backup-{self._serial}"
-        model.save_weights(self._path(f"{stem}.weights.h5"), overwrite=True)
+        model.save_weights(os.path.join(directory, f"{stem}.weights.h5"), overwrite=True)
         metrics = {f"m{i}": np.asarray(v.value) for i, v in enumerate(model.metrics_variables)}
-        with open(self._path(f"{stem}.metrics.npz"), "wb") as f:
+        with open(os.path.join(directory, f"{stem}.metrics.npz"), "wb") as f:
             np.savez(f, **metrics)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         record = {"serial": self._serial, "stem": stem, "epoch": self._epoch, "batch": self._batches_done}
-        tmp = self._path(f"{_LATEST}.tmp")
+        tmp = os.path.join(directory, f"{_LATEST}.tmp")
         with open(tmp, "w") as f:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, self._path(_LATEST))  # the backup exists from here on
-        for name in os.listdir(self.backup_dir):
+        os.replace(tmp, os.path.join(directory, _LATEST))  # the backup exists from here on
+        for name in os.listdir(directory):
             if name.startswith("backup-") and not name.startswith(f"{stem}."):
-                os.remove(self._path(name))
+                os.remove(os.path.join(directory, name))
         self._since_save = 0
 
     # -- fit --------------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         dist = keras.distribution.distribution()  # fit runs under the model's strategy's distribution
-        if dist is not None and not (isinstance(dist, StrategyDistribution) and not dist.multi_process):
+        if dist is not None and not isinstance(dist, StrategyDistribution):
             raise NotImplementedError(
-                "jaxdist.keras.BackupAndRestore supports the synchronous strategies in one process; "
-                f"not yet {type(getattr(dist, 'strategy', dist)).__name__} across processes or on parameter servers"
+                "jaxdist.keras.BackupAndRestore supports the synchronous strategies; "
+                f"not yet {type(getattr(dist, 'strategy', dist)).__name__}"
             )
+        # Every process of a multi-process strategy holds the same (replicated) state: process 0 writes the
+        # backups, every process reads them (backup_dir must be one directory all of them see).
+        self._writer = jax.process_index() == 0
         self._epoch, self._batches_done, self._since_save, self._skip = 0, 0, 0, 0
         self._resume_metrics = None
         latest = self._latest()
@@ -194,5 +213,5 @@ class BackupAndRestore(keras.callbacks.Callback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self.model._initial_epoch = None  # a later fit of this model starts at its own initial_epoch
-        if self.delete_checkpoint:
+        if self.delete_checkpoint and self._writer:
             shutil.rmtree(self.backup_dir, ignore_errors=True)

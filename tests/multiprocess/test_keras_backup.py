@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +28,10 @@ SCRIPT = textwrap.dedent(
     import keras, jaxdist
 
     backup_dir, strategy_name, spe, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    # One strategy for both runs (a multi-process one is made once, before any other JAX call).
+    strategy = {"mirrored": jaxdist.MirroredStrategy, "default": jaxdist.get_strategy,
+                "multi_worker": lambda: jaxdist.MultiWorkerMirroredStrategy(init_timeout_s=60, peer_timeout_s=20),
+                }[strategy_name]()
     EPOCHS, GBS = 3, 16          # 100 rows: 7 batches an epoch, the last one short
     rng = np.random.default_rng(0)
     x = rng.normal(size=(100, 6)).astype(np.float32)
@@ -34,7 +39,6 @@ SCRIPT = textwrap.dedent(
 
     def train(callbacks):
         keras.utils.set_random_seed(0)
-        strategy = {"mirrored": jaxdist.MirroredStrategy, "default": jaxdist.get_strategy}[strategy_name]()
         with strategy.scope():
             model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
             model.compile(optimizer=keras.optimizers.Adam(0.01), steps_per_execution=spe, metrics=["accuracy"],
@@ -43,13 +47,14 @@ SCRIPT = textwrap.dedent(
         return model, history.history
 
     class Kill(keras.callbacks.Callback):
-        def __init__(self, epoch, batch):
+        def __init__(self, epoch, batch, process=0):
             super().__init__()
             self.at, self.epoch = (epoch, batch), 0
+            self.armed = __import__("jax").process_index() == process
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
         def on_train_batch_end(self, batch, logs=None):
-            if (self.epoch, batch) == self.at:
+            if self.armed and (self.epoch, batch) == self.at:
                 print("KILLING", self.epoch, batch, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -104,3 +109,57 @@ def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
     for key in ("loss", "accuracy"):
         np.testing.assert_allclose(resumed["history"][key], reference["history"][key][epoch:], rtol=1e-5)
     assert not resumed["backup_left"]  # delete_checkpoint: the finished run removed it
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
+    """2 processes x 4 devices: process 0 SIGKILLs itself mid-epoch, its peer exits (a dead peer is fatal to a
+    synchronous job); both scripts run again and resume from process 0's backup in the shared directory."""
+    import numpy as np
+
+    script = tmp_path / "fit.py"
+    script.write_text(SCRIPT)
+    backup = tmp_path / "backup"
+
+    def run(kill_at: str) -> list[subprocess.CompletedProcess[str]]:
+        cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+        procs = []
+        for i in range(2):
+            env = dict(fake_devices_env(4), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
+            procs.append(subprocess.Popen([sys.executable, str(script), str(backup), "multi_worker", "1", kill_at],
+                                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        done = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=280)
+                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+        return done
+
+    killed = run("1,4")
+    assert killed[0].returncode == -signal.SIGKILL and "KILLING" in killed[0].stdout, killed[0].stderr[-3000:]
+    assert killed[1].returncode != 0  # its peer died mid-step
+    assert json.loads((backup / "latest.json").read_text())["batch"] == 4
+    again = run("none")
+    outs = []
+    for i, r in enumerate(again):
+        assert r.returncode == 0, (i, r.stderr[-3000:])
+        outs.append(json.loads(r.stdout.strip().splitlines()[-1].removeprefix("RESULT ")))
+    for out in outs:
+        resumed, reference = out["resumed"], out["reference"]
+        assert resumed["iterations"] == reference["iterations"] == 3 * 7
+        for got, want in zip(resumed["weights"], reference["weights"], strict=True):
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
+        np.testing.assert_allclose(resumed["history"]["loss"], reference["history"]["loss"][1:], rtol=1e-5)
+    assert not outs[0]["resumed"]["backup_left"]  # process 0 removed it when fit finished
