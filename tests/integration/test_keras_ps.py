@@ -448,7 +448,7 @@ def refusals_are_clear() -> None:
             raises(NotImplementedError, lambda: model.train_on_batch(x[:4], y[:4]), "train_on_batch")
             with tempfile.TemporaryDirectory() as backup_dir:  # not supported on PS yet: refused, not ignored
                 raises(NotImplementedError, lambda: model.fit(data, steps_per_epoch=1, verbose=0, callbacks=[
-                    jaxdist.keras.BackupAndRestore(backup_dir)]), "parameter servers")
+                    jaxdist.keras.BackupAndRestore(backup_dir)]), "ParameterServerStrategy")
 
             class ChangeLR(keras.callbacks.Callback):
                 def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
