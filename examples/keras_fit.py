@@ -17,6 +17,9 @@ Gaussian blobs in 64 dimensions), so the example runs on a bare
     JAXDIST_TPU_FAKE_DEVICES=cpu python examples/keras_fit.py --strategy tpu   # TPU code path without TPUs
     # one process per host, each with its TF_CONFIG (every process reads the same data: TF's DATA policy):
     python examples/keras_fit.py --strategy multi_worker
+    # parameter servers: 1 PS + 2 worker processes started here (or the cluster of TF_CONFIG); fit dispatches
+    # steps as ClusterCoordinator closures, evaluate visits every test example exactly once:
+    python examples/keras_fit.py --strategy parameter_server
 
 The last line is ``RESULT {...}`` (JSON: strategy, replicas, test accuracy and loss).
 """
@@ -25,13 +28,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import jaxdist.keras  # noqa: F401  (selects Keras's JAX backend before keras is imported)
 import keras, numpy as np
 import jaxdist
 
 
-def make_strategy(name: str) -> jaxdist.sync.Strategy:
+def parameter_server_strategy() -> jaxdist.ParameterServerStrategy:
+    """PS training: the cluster of TF_CONFIG (a 'chief' running this script, 'ps' and 'worker' tasks running
+    ``jaxdist ps`` / ``jaxdist worker``), or, without TF_CONFIG, 1 PS and 2 worker processes on this host."""
+    if os.environ.get("TF_CONFIG"):
+        resolver = jaxdist.TFConfigClusterResolver()
+    else:
+        cluster = jaxdist.LocalCluster(num_workers=2, num_ps=1).start()  # stopped at exit (LocalCluster's own atexit)
+        resolver = cluster.cluster_resolver()
+    return jaxdist.ParameterServerStrategy(resolver, variable_partitioner=jaxdist.MinSizePartitioner(max_shards=2))
+
+
+def make_strategy(name: str) -> jaxdist.sync.Strategy | jaxdist.ParameterServerStrategy:
     # The one line that changes between runs (TF: tf.distribute.MirroredStrategy(), ...).
     return {
         "default": jaxdist.get_strategy,                        # no strategy: Keras as usual, one device
@@ -40,6 +55,7 @@ def make_strategy(name: str) -> jaxdist.sync.Strategy:
         "central_storage": jaxdist.CentralStorageStrategy,
         "tpu": jaxdist.TPUStrategy,
         "multi_worker": jaxdist.MultiWorkerMirroredStrategy,    # TF_CONFIG / Slurm / jaxdist launch; else one process
+        "parameter_server": parameter_server_strategy,          # variables and optimizer on PS tasks, steps on workers
     }[name]()
 
 
@@ -63,7 +79,8 @@ def load_data(seed: int = 0) -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.nd
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--strategy", default="mirrored",
-                        choices=["default", "one_device", "mirrored", "central_storage", "tpu", "multi_worker"])
+                        choices=["default", "one_device", "mirrored", "central_storage", "tpu", "multi_worker",
+                                 "parameter_server"])
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (split over the replicas)")
     parser.add_argument("--verbose", type=int, default=2)
@@ -74,7 +91,7 @@ def main() -> None:
     (x_train, y_train), (x_test, y_test) = load_data()
     keras.utils.set_random_seed(0)
 
-    with strategy.scope():  # the model's variables are mirrored on the strategy's replicas
+    with strategy.scope():  # the model's variables: mirrored on the replicas, or on the parameter servers
         model = keras.Sequential([
             keras.Input((64,)),
             keras.layers.Dense(128, activation="relu"),
@@ -99,6 +116,8 @@ def main() -> None:
         "test_loss": float(result["loss"]),
         "predict_accuracy": float(np.mean(predictions == y_test)),
     }))
+    if isinstance(strategy, jaxdist.ParameterServerStrategy):
+        strategy.coordinator.shutdown()  # the job is over: the PS and worker tasks exit
 
 
 if __name__ == "__main__":

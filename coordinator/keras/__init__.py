@@ -35,8 +35,19 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   ``FILE`` policy, each process reading its own files):
   ``Batches(iterable, per_process=True)``.
 - default strategy: Keras unchanged (one device).
-- ``ParameterServerStrategy``: not supported yet; any Keras model use inside
-  its scope raises ``NotImplementedError``.
+- ``ParameterServerStrategy`` (:mod:`jaxdist.keras.ps_fit`): the model's
+  variables live on the PS (partitioned by ``variable_partitioner``), the
+  optimizer (SGD, Adam, RMSprop, Adagrad: Keras's own update rules) runs
+  there, ``fit`` dispatches ``steps_per_execution`` steps per
+  ``ClusterCoordinator`` closure. Input: ``DatasetCreator(dataset_fn)`` with
+  ``steps_per_epoch`` (TF's rule), or arrays (each worker reads its shard).
+  A worker that dies mid-``fit`` has its closures re-run elsewhere: every
+  epoch applies exactly ``steps_per_epoch`` steps, none twice; epoch metrics
+  are the exact sum of the closures' metric states. ``evaluate`` visits
+  every example exactly once, also when workers die; ``predict`` runs on the
+  coordinator with the PS's weights. Row-sparse embeddings move only the
+  looked-up rows (:mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
+  NotImplementedError.
 
 Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
@@ -49,8 +60,9 @@ write the same files);
 :class:`jaxdist.keras.SidecarEvaluator` (also ``jaxdist.SidecarEvaluator``)
 evaluates each new checkpoint from an evaluator task.
 
-Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
-takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
+Input (synchronous strategies): numpy arrays, Python generators and
+``keras.utils.PyDataset`` as Keras takes them, and any re-iterable of
+batches through :class:`jaxdist.keras.Batches`.
 
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.
@@ -66,12 +78,13 @@ import keras  # noqa: E402,F401  (after the backend is chosen)
 
 from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
 from jaxdist.keras.checkpoint import ModelCheckpoint  # noqa: E402
-from jaxdist.keras.data import Batches  # noqa: E402
+from jaxdist.keras.data import Batches, DatasetCreator  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
-    UnsupportedStrategyDistribution,
     install_data_placement,
 )
+from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
+from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
@@ -81,13 +94,16 @@ install_data_placement()
 __all__ = [
     "BackupAndRestore",
     "Batches",
+    "DatasetCreator",
     "ModelCheckpoint",
+    "PSDistribution",
     "SidecarEvaluator",
     "StrategyDistribution",
     "TensorBoard",
-    "UnsupportedStrategyDistribution",
+    "UnsupportedOptimizerError",
     "distribution_for",
     "install_data_placement",
     "keras_scope",
+    "ps_variables",
     "require_jax_backend",
 ]

@@ -24,7 +24,7 @@ from keras.src.trainers.data_adapters.data_adapter import DataAdapter
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Batches"]
+__all__ = ["Batches", "DatasetCreator", "call_dataset_fn"]
 
 
 class Batches(DataAdapter):
@@ -104,3 +104,49 @@ class Batches(DataAdapter):
     @property
     def partial_batch_size(self) -> int | None:
         return None
+
+
+class DatasetCreator:
+    """Per-worker input for ``fit``/``evaluate`` under ``ParameterServerStrategy`` (TF's ``DatasetCreator``).
+
+    ``model.fit(jaxdist.keras.DatasetCreator(dataset_fn), epochs=..., steps_per_epoch=...)``:
+    ``dataset_fn(input_context)`` (or ``dataset_fn()``) runs on every worker
+    (and again on a worker that restarts) and returns an iterable of batches
+    ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``; ``input_context`` is a
+    :class:`jaxdist.InputContext` (``input_pipeline_id`` = the worker's
+    index, to shard the data). ``fit`` re-iterates it when a pass ends (TF's
+    ``.repeat()``). For ``evaluate`` it must return the whole evaluation set as
+    a sequence of batches (``len()`` and ``ds[i]``), the same on every worker:
+    each batch is then evaluated exactly once. A plain callable may be passed
+    instead of a DatasetCreator.
+
+    Args:
+        dataset_fn: the function; it must pickle (it travels to the workers).
+        input_options: TF's argument; only None is accepted (jaxdist has no input options here).
+    """
+
+    def __init__(self, dataset_fn: Any, input_options: Any = None) -> None:
+        if not callable(dataset_fn):
+            raise TypeError(f"DatasetCreator wants a callable dataset_fn, got {type(dataset_fn).__name__}")
+        if input_options is not None:
+            raise ValueError("DatasetCreator(input_options=...) is not supported by jaxdist: pass None")
+        self.dataset_fn = dataset_fn
+
+    def __call__(self, input_context: Any = None) -> Any:
+        return call_dataset_fn(self.dataset_fn, input_context)
+
+    def __repr__(self) -> str:
+        return f"DatasetCreator({self.dataset_fn!r})"
+
+
+def call_dataset_fn(dataset_fn: Any, input_context: Any) -> Any:
+    """``dataset_fn(input_context)``, or ``dataset_fn()`` when it takes no argument."""
+    import inspect
+
+    if isinstance(dataset_fn, DatasetCreator):
+        dataset_fn = dataset_fn.dataset_fn
+    try:
+        takes_arg = bool(inspect.signature(dataset_fn).parameters)
+    except (TypeError, ValueError):
+        takes_arg = True
+    return dataset_fn(input_context) if takes_arg else dataset_fn()

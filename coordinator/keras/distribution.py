@@ -47,14 +47,13 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import keras
 from keras.distribution import DataParallel, DeviceMesh, TensorLayout
-from keras.src.distribution.distribution_lib import Distribution  # the base class (not exported by keras.distribution)
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras.data import Batches
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StrategyDistribution", "UnsupportedStrategyDistribution", "install_data_placement"]
+__all__ = ["StrategyDistribution", "install_data_placement"]
 
 #: The mesh axis the batch is split along (Keras's DataParallel default name).
 BATCH_AXIS = "batch"
@@ -212,42 +211,6 @@ class StrategyDistribution(DataParallel):
         return f"StrategyDistribution({type(self._strategy).__name__}, {len(self._devices)} replicas)"
 
 
-class UnsupportedStrategyDistribution(Distribution):
-    """Current inside the scope of a strategy whose Keras integration does not exist yet.
-
-    Every question Keras asks it (where a variable goes, how a batch or a layer
-    output is laid out) raises ``NotImplementedError`` naming what is missing,
-    so a Keras model can neither be built nor trained in that scope, instead of
-    silently training somewhere else. Code in the scope that does not use
-    Keras is unaffected.
-    """
-
-    def __init__(self, strategy: Any, missing: str) -> None:
-        devices = np.array(jax.local_devices()[:1], dtype=object)
-        super().__init__(DeviceMesh(shape=(1,), axis_names=[BATCH_AXIS], devices=devices), BATCH_AXIS, False)
-        self._message = (
-            f"Keras models under {type(strategy).__name__}.scope() are not supported yet: {missing}. "
-            "Build and train the Keras model outside this scope, or use a synchronous strategy "
-            "(MirroredStrategy, MultiWorkerMirroredStrategy, ...)"
-        )
-
-    @property
-    def num_model_replicas(self) -> int:
-        raise NotImplementedError(self._message)
-
-    def get_data_layout(self, data_shape: Any) -> TensorLayout:
-        raise NotImplementedError(self._message)
-
-    def get_variable_layout(self, variable: Any) -> TensorLayout:
-        raise NotImplementedError(self._message)
-
-    def get_tensor_layout(self, path: Any) -> TensorLayout | None:
-        raise NotImplementedError(self._message)
-
-    def distribute_dataset(self, dataset: Any) -> Any:
-        raise NotImplementedError(self._message)
-
-
 _install_lock = threading.Lock()
 _installed = False
 _registry_lock = threading.Lock()
@@ -394,7 +357,17 @@ def _under_model_distribution(method: Any, on_batch: bool) -> Any:
 
     @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        from jaxdist.keras import ps_fit
+        from jaxdist.keras.ps_model import PSDistribution
+
+        on_ps = ps_fit.route(self, method.__name__, method)
+        if on_ps is not None:  # a model built in a ParameterServerStrategy's scope
+            return on_ps(*args, **kwargs)
         current = keras.distribution.distribution()
+        if isinstance(current, PSDistribution):
+            raise ConfigurationError(
+                f"this Keras model was not built in {type(current.strategy).__name__}.scope(): build and compile it "
+                "inside the strategy's scope (as TF requires), or run it outside the scope")
         if current is None:
             dist = model_distribution(self)
             if dist is not None:

@@ -3,9 +3,8 @@
 - the default strategy: nothing (Keras runs on one device, as without jaxdist);
 - a synchronous strategy: its :class:`~jaxdist.keras.distribution.StrategyDistribution`
   (one per strategy, so Keras's compiled steps are reused across scopes);
-- ``ParameterServerStrategy``: an
-  :class:`~jaxdist.keras.distribution.UnsupportedStrategyDistribution`, under which any use of a
-  Keras model raises ``NotImplementedError`` (Keras ``fit`` on parameter servers is not built yet).
+- ``ParameterServerStrategy``: a :class:`~jaxdist.keras.ps_model.PSDistribution`, which notes the
+  models built in the scope; their ``fit``/``evaluate`` dispatch closures (:mod:`jaxdist.keras.ps_fit`).
 
 Only called when ``keras`` is already imported, so code that never uses Keras never imports it.
 """
@@ -27,13 +26,6 @@ __all__ = ["distribution_for", "keras_scope"]
 _lock = threading.Lock()
 _distributions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
-#: What the PS strategy is missing, named in its NotImplementedError.
-PS_MISSING = (
-    "model variables on the parameter servers, the optimizer applied there and fit() dispatching steps as "
-    "ClusterCoordinator closures (jaxdist issue 16, item 2)"
-)
-
-
 def distribution_for(strategy: Any) -> Any:
     """The Keras distribution ``strategy.scope()`` makes current, or None (the default strategy)."""
     if getattr(strategy, "_is_default", False):
@@ -44,11 +36,13 @@ def distribution_for(strategy: Any) -> Any:
         dist = _distributions.get(strategy)
         if dist is not None:
             return dist
-        from jaxdist.keras.distribution import StrategyDistribution, UnsupportedStrategyDistribution, install_data_placement
+        from jaxdist.keras.distribution import StrategyDistribution, install_data_placement
 
         install_data_placement()
         if isinstance(strategy, ParameterServerStrategy):
-            dist = UnsupportedStrategyDistribution(strategy, PS_MISSING)
+            from jaxdist.keras.ps_model import PSDistribution
+
+            dist = PSDistribution(strategy)
         else:
             dist = StrategyDistribution(strategy)
             if dist.num_processes > 1:

@@ -378,40 +378,6 @@ def a_model_keeps_its_strategy_outside_the_scope_and_in_other_threads() -> None:
     np.testing.assert_equal(len(plain.get_weights()), 4)
 
 
-@check
-def ps_scope_refuses_keras_models() -> None:
-    import keras
-    import numpy as np
-
-    import jaxdist
-    from jaxdist.testing import InProcessCluster
-
-    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
-        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
-        outside = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        outside.compile("sgd", "mse")
-        with strategy.scope():
-            # Keras's Sequential swallows NotImplementedError while it builds (shape inference), so the refusal
-            # surfaces at the first use: compile (the optimizer's variables), fit or predict
-            # (of a model made outside), or calling a layer.
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-            uses = {
-                "compile": lambda: model.compile("sgd", "mse"),
-                "fit": lambda: outside.fit(np.zeros((8, 4)), np.zeros((8, 2)), verbose=0),
-                "predict": lambda: outside.predict(np.zeros((8, 4)), verbose=0),
-                "layer call": lambda: keras.layers.Dense(2)(np.zeros((1, 4), np.float32)),
-            }
-            for what, use in uses.items():
-                try:
-                    use()
-                except NotImplementedError as e:
-                    assert "ParameterServerStrategy" in str(e) and "parameter servers" in str(e), (what, e)
-                else:
-                    raise AssertionError(f"Keras {what} ran in ParameterServerStrategy.scope()")
-            # Code without Keras in the same scope is unaffected.
-            v = jaxdist.create_variable(1.0, name="plain")
-        assert float(v.numpy()) == 1.0
-        assert keras.distribution.distribution() is None  # the scope left nothing behind
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,433 @@
+"""Keras ``fit``/``evaluate``/``predict`` of a model built in ``ParameterServerStrategy.scope()``.
+
+As tf.keras did under ``ParameterServerStrategy`` (TF's rules):
+
+- ``fit(x=DatasetCreator(dataset_fn) or dataset_fn, epochs=, steps_per_epoch=)``:
+  ``steps_per_epoch`` is required; the input is a per-worker dataset function
+  (numpy arrays ``fit(x, y, batch_size=)`` are accepted too, as tf.keras
+  did: each worker reads its shard of the rows, reshuffled every pass, and
+  ``steps_per_epoch`` defaults to one pass, ``ceil(rows / batch_size)``)
+  (``ClusterCoordinator.create_per_worker_dataset``); each closure runs
+  ``steps_per_execution`` (from ``compile``) training steps on a worker
+  (:class:`jaxdist.keras.ps_worker.TrainSteps`). The model's variables live on
+  the PS and its optimizer runs there (:mod:`jaxdist.keras.ps_model`). A
+  worker that dies mid-``fit`` has its closures re-run elsewhere; each step is
+  applied once (pushes carry the closure's identity), so an epoch applies
+  exactly ``steps_per_epoch`` steps.
+- ``evaluate(x, y, batch_size=)`` (arrays) or ``evaluate(DatasetCreator(fn), steps=N)``
+  (``fn`` returns the whole evaluation set as a sequence of ``N`` batches):
+  TF's exact inline evaluation: every batch is evaluated exactly once, also
+  when workers die (jaxdist's exactly-once data ledger).
+- ``predict``: on the coordinator, with the PS's current weights (Keras's own
+  ``predict`` after :meth:`PSModel.sync`).
+
+Keras's own ``CallbackList`` (``History``, the progress bar, user callbacks)
+runs on the coordinator. Metrics are exact: each closure returns the Keras
+metric variables it accumulated (all of aggregation ``"sum"``), and the
+coordinator adds them up (each closure's result is kept once, whatever
+re-runs happen) and lets Keras compute ``result()`` from the sums. Batch-level
+logs show the closures finished so far; epoch logs cover every step.
+Callbacks see the PS's weights at epoch boundaries (``model`` is synced after
+every epoch); mid-epoch they see the weights of the last sync.
+
+Each ``fit`` makes one per-worker training dataset (and one exactly-once
+validation dataset), each ``evaluate`` one exactly-once dataset: per-worker
+resources of the coordinator, kept on the workers (and rebuilt on a worker
+that restarts) for the coordinator's lifetime, as every
+``create_per_worker_dataset``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import keras
+
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.input_context import InputContext
+from jaxdist.keras.data import DatasetCreator, call_dataset_fn
+from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
+from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, TrainSteps
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ArrayBatches", "ShardedArrays", "route"]
+
+#: Closures kept in flight per worker: enough that a worker always has its next closures queued (it takes
+#: several per call), few enough that batch-level logs trail the scheduled steps by little.
+IN_FLIGHT_PER_WORKER = 8
+
+
+class ArrayBatches:
+    """Arrays cut into batches: ``len()`` batches, ``[i]`` the i-th ``(x, y[, sample_weight])`` (picklable)."""
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.x, self.y, self.sample_weight, self.batch_size = x, y, sample_weight, int(batch_size)
+        self.n = len(keras.tree.flatten(x)[0])
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.batch_size)
+
+    def __getitem__(self, i: int) -> tuple[Any, ...]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        cut = functools.partial(keras.tree.map_structure, lambda a: np.asarray(a)[sl])
+        out = (cut(self.x),) + (() if self.y is None else (cut(self.y),))
+        if self.sample_weight is not None:
+            out += (cut(self.sample_weight),)
+        return out
+
+
+class ShardedArrays:
+    """``fit``'s per-worker dataset made from arrays (as tf.keras wrapped arrays in a DatasetCreator).
+
+    Worker ``i`` of ``n`` takes rows ``i, i + n, ...``, reshuffled every pass
+    when ``shuffle`` (seeded by worker and pass), in batches of
+    ``batch_size``; the data travels with the closure's dataset function.
+    """
+
+    def __init__(self, x: Any, y: Any, sample_weight: Any, batch_size: int, shuffle: bool) -> None:
+        self.data = ArrayBatches(x, y, sample_weight, batch_size)
+        self.n = self.data.n
+        self.batch_size = self.data.batch_size
+        self.shuffle = shuffle
+        self.rows = np.arange(self.n)
+        self.seed = 0
+
+    def batch(self, rows: np.ndarray) -> tuple[Any, ...]:
+        d = self.data
+        cut = functools.partial(keras.tree.map_structure, lambda a: np.asarray(a)[rows])
+        out = (cut(d.x),) + (() if d.y is None else (cut(d.y),))
+        return out + (() if d.sample_weight is None else (cut(d.sample_weight),))
+
+    def batches_of(self, rows: np.ndarray) -> list[np.ndarray]:
+        return [rows[i:i + self.batch_size] for i in range(0, len(rows), self.batch_size)]
+
+    def __call__(self, input_context: Any) -> ShardedArrays:
+        mine = ShardedArrays.__new__(ShardedArrays)
+        mine.__dict__.update(self.__dict__)
+        mine.rows = np.arange(self.n)[input_context.input_pipeline_id::input_context.num_input_pipelines]
+        mine.seed = input_context.input_pipeline_id
+        return mine
+
+    def __iter__(self) -> Any:
+        rows = self.rows
+        if self.shuffle:
+            rows = np.random.default_rng(self.seed).permutation(rows)
+            self.seed += 1 << 20  # the next pass: another order
+        for part in self.batches_of(rows):
+            yield self.batch(part)
+
+
+def _is_arrays(x: Any) -> bool:
+    leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
+    return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "__array__") for a in leaves)
+
+
+class _Sequence:
+    """The exactly-once evaluation dataset function: the same batch sequence on every worker."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+    def __call__(self, input_context: Any = None) -> Any:
+        if isinstance(self.source, ArrayBatches):
+            return self.source
+        data = call_dataset_fn(self.source, input_context)
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise ConfigurationError("evaluate() under ParameterServerStrategy: dataset_fn must return the whole "
+                                     f"evaluation set as a sequence of batches (len() and [i]), got {type(data).__name__}")
+        return data
+
+
+class _Metrics:
+    """The sum of the closures' Keras metric states; Keras computes the logs from it."""
+
+    def __init__(self, model: Any, init: list[np.ndarray]) -> None:
+        self.model = model
+        self.init = init
+        self.total = [np.array(a, dtype=np.float64 if np.issubdtype(a.dtype, np.floating) else a.dtype) for a in init]
+        self.closures = 0
+        self._logs: dict[str, Any] | None = None
+
+    def add(self, state: list[np.ndarray]) -> None:
+        for t, s, i in zip(self.total, state, self.init):
+            t += np.asarray(s) - i
+        self.closures += 1
+        self._logs = None
+
+    def logs(self) -> dict[str, Any]:
+        """Keras's metric results of the sums so far (recomputed only when a closure was added since)."""
+        if self._logs is None:
+            for v, t in zip(self.model.metrics_variables, self.total):
+                v.assign(t.astype(v.dtype))
+            self._logs = {k: float(np.asarray(r)) if np.ndim(r) == 0 else np.asarray(r)
+                          for k, r in self.model.get_metrics_result().items()}
+        return dict(self._logs)
+
+
+class _InFlight:
+    """Closures scheduled and not yet folded into the metrics; at most ``limit`` at a time."""
+
+    def __init__(self, metrics: _Metrics, limit: int) -> None:
+        self.metrics = metrics
+        self.limit = max(1, limit)
+        self.pending: collections.deque[Any] = collections.deque()
+
+    def add(self, rv: Any) -> None:
+        self.pending.append(rv)
+        while len(self.pending) >= self.limit:
+            self.metrics.add(self.pending.popleft().fetch())
+        self.collect()
+
+    def collect(self) -> None:
+        while self.pending and self.pending[0].done():
+            self.metrics.add(self.pending.popleft().fetch())
+
+    def drain(self) -> None:
+        while self.pending:
+            self.metrics.add(self.pending.popleft().fetch())
+
+
+def _coordinator(strategy: Any) -> Any:
+    """The strategy's ClusterCoordinator (one is made, and kept for later calls, when it has none: as TF)."""
+    coord = strategy.coordinator
+    if coord is None:
+        from jaxdist.cluster_coordinator import ClusterCoordinator
+
+        coord = ClusterCoordinator(strategy)
+    return coord
+
+
+def _dataset_fn(x: Any, what: str) -> Callable[..., Any]:
+    if isinstance(x, DatasetCreator):
+        return x.dataset_fn
+    if callable(x) and not hasattr(x, "shape"):
+        return x
+    raise ConfigurationError(
+        f"{what} under ParameterServerStrategy takes a per-worker dataset function: "
+        "jaxdist.keras.DatasetCreator(dataset_fn) (or dataset_fn itself), TF's rule; "
+        f"got {type(x).__name__}")
+
+
+def _check_metric_aggregation(model: Any) -> None:
+    for v in model.metrics_variables:
+        if getattr(v, "aggregation", "sum") != "sum":
+            raise NotImplementedError(
+                f"metric variable {v.path} has aggregation {v.aggregation!r}: under ParameterServerStrategy the "
+                "workers' metric states are added up, which needs aggregation='sum' (Keras's default for metrics)")
+
+
+def _build(model: Any, batch: Any) -> PSModel:
+    """Build the model, its compiled loss and metrics from one batch (as Keras's fit does), then its PS state."""
+    model._symbolic_build(data_batch=batch)
+    _check_metric_aggregation(model)
+    pm = ps_model(model)
+    assert pm is not None
+    return pm
+
+
+def _steps_per_execution(model: Any) -> int:
+    return max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+
+
+def _refuse(name: str, value: Any, default: Any, why: str) -> None:
+    if value is default:
+        return
+    scalar = isinstance(value, (bool, int, float, str))
+    if default is not None and scalar and value == default:
+        return
+    shown = repr(value) if scalar else f"<{type(value).__name__}>"
+    raise ValueError(f"{name}={shown} is not supported under ParameterServerStrategy: {why}")
+
+
+def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1, verbose: Any = "auto",
+        callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+        class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+        validation_steps: int | None = None, validation_batch_size: int | None = None,
+        validation_freq: int = 1) -> Any:
+    """Keras's ``fit`` under ParameterServerStrategy (see the module docstring); returns the History."""
+    if _is_arrays(x):
+        data = ShardedArrays(x, y, sample_weight, 32 if batch_size is None else batch_size, bool(shuffle))
+        fn: Callable[..., Any] = data
+        if steps_per_epoch is None:
+            steps_per_epoch = len(data.batches_of(np.arange(data.n)))
+        first_batch = data.batch(np.arange(min(data.n, data.batch_size)))
+    else:
+        fn = _dataset_fn(x, "fit")
+        if steps_per_epoch is None:
+            raise ValueError("fit(DatasetCreator) under ParameterServerStrategy needs steps_per_epoch (TF's rule: "
+                             "the per-worker datasets repeat, so an epoch is a number of steps)")
+        for name, value, why in (("y", y, "the dataset_fn's batches carry the targets"),
+                                 ("batch_size", batch_size, "dataset_fn batches its data"),
+                                 ("sample_weight", sample_weight, "put sample weights in the dataset_fn's batches")):
+            _refuse(name, value, None, why)
+        _refuse("shuffle", shuffle, True, "shuffling is dataset_fn's job")
+        first_batch = None
+    _refuse("class_weight", class_weight, None, "weight the samples (sample_weight)")
+    _refuse("validation_split", validation_split, 0.0, "pass validation_data")
+    strategy = ps_strategy_of(model)
+    coord = _coordinator(strategy)
+    if first_batch is None:
+        first_batch = next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1))))
+    pm = _build(model, first_batch)
+    spec = pm.spec()
+    spe = _steps_per_execution(model)
+    fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}
+    it = iter(coord.create_per_worker_dataset(RepeatingDatasetFn(fn)))
+    val_it = None
+    if validation_data is not None:
+        vx, vy, vsw = _validation_args(validation_data)
+        vsource, val_batches, _ = _eval_source(vx, vy, vsw, validation_batch_size, validation_steps)
+        runs = sum(bool(model._should_eval(e, validation_freq)) for e in range(initial_epoch, epochs))
+        # One exactly-once dataset for every validation of this fit (its ledger runs one pass per validation).
+        val_it = iter(coord.create_per_worker_dataset(_Sequence(vsource), exactly_once=True, num_batches=val_batches,
+                                                      epochs=max(1, runs)))
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_history=True, add_progbar=verbose != 0, verbose=verbose,
+                                       epochs=epochs, steps=steps_per_epoch, model=model)
+    model.stop_training = False
+    cbs.on_train_begin()
+    training_logs: dict[str, Any] | None = None
+    for epoch in range(initial_epoch, epochs):
+        model.reset_metrics()
+        cbs.on_epoch_begin(epoch)
+        metrics = _Metrics(model, spec.metric_init)
+        inflight = _InFlight(metrics, IN_FLIGHT_PER_WORKER * max(1, coord.active_workers))
+        step = 0
+        while step < steps_per_epoch:
+            k = min(spe, steps_per_epoch - step)
+            cbs.on_train_batch_begin(step)
+            inflight.add(coord.schedule(fns[k], args=(it,)))
+            step += k
+            cbs.on_train_batch_end(step - 1, metrics.logs())
+            if model.stop_training:
+                break
+        coord.join()
+        inflight.drain()
+        pm.check_learning_rate()
+        pm.sync()
+        epoch_logs = metrics.logs()
+        if val_it is not None and model._should_eval(epoch, validation_freq):
+            val = _run_evaluation(model, coord, pm, val_it, val_batches, 0, None)
+            epoch_logs.update({f"val_{k}": v for k, v in val.items()})
+        cbs.on_epoch_end(epoch, epoch_logs)
+        training_logs = epoch_logs
+        if model.stop_training:
+            break
+    cbs.on_train_end(logs=training_logs)
+    return model.history
+
+
+def _validation_args(validation_data: Any) -> tuple[Any, ...]:
+    if isinstance(validation_data, (tuple, list)):
+        return tuple(validation_data) + (None,) * (3 - len(validation_data))
+    return (validation_data, None, None)
+
+
+def _eval_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, steps: int | None) -> tuple[Any, int, Any]:
+    """``(dataset source, number of batches, first batch)`` of evaluate's input."""
+    if isinstance(x, DatasetCreator) or (callable(x) and not hasattr(x, "shape")):
+        for name, value in (("y", y), ("sample_weight", sample_weight), ("batch_size", batch_size)):
+            _refuse(name, value, None, "dataset_fn's batches carry them")
+        if steps is None:
+            raise ValueError("evaluate(DatasetCreator) under ParameterServerStrategy needs steps= (the number of "
+                             "batches of the evaluation set, each evaluated exactly once)")
+        source: Any = _dataset_fn(x, "evaluate")
+        first = _Sequence(source)(InputContext(1, 0, 1))
+        if len(first) < int(steps):
+            raise ValueError(f"evaluate(steps={steps}): dataset_fn's sequence has only {len(first)} batches")
+        return source, int(steps), first[0]
+    if x is None:
+        raise ValueError("evaluate() needs x")
+    source = ArrayBatches(x, y, sample_weight, 32 if batch_size is None else batch_size)
+    return source, len(source) if steps is None else min(int(steps), len(source)), source[0]
+
+
+def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None, batch_size: int | None = None,
+             verbose: Any = "auto", steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
+             **kwargs: Any) -> Any:
+    """Keras's ``evaluate`` under ParameterServerStrategy: every batch exactly once (see the module docstring)."""
+    if kwargs:
+        raise ValueError(f"evaluate() under ParameterServerStrategy does not take {sorted(kwargs)}")
+    source, num_batches, first_batch = _eval_source(x, y, sample_weight, batch_size, steps)
+    coord = _coordinator(ps_strategy_of(model))
+    pm = _build(model, first_batch)
+    it = iter(coord.create_per_worker_dataset(_Sequence(source), exactly_once=True, num_batches=num_batches))
+    logs = _run_evaluation(model, coord, pm, it, num_batches, verbose, callbacks)
+    return logs if return_dict else model._flatten_metrics_in_order(logs)
+
+
+def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: int, verbose: Any,
+                    callbacks: Any) -> dict[str, Any]:
+    """One pass over ``num_batches`` batches of exactly-once iterator ``it``; returns the logs."""
+    spec = pm.spec()
+    spe = _steps_per_execution(model)
+    step_fn = EvalSteps(spec, spe)
+    verbose = 1 if verbose == "auto" else verbose
+    cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+                                       steps=num_batches, model=model)
+    model.reset_metrics()
+    metrics = _Metrics(model, spec.metric_init)
+    inflight = _InFlight(metrics, IN_FLIGHT_PER_WORKER * max(1, coord.active_workers))
+    cbs.on_test_begin()
+    for begin in range(0, num_batches, spe):
+        cbs.on_test_batch_begin(begin)
+        inflight.add(coord.schedule(step_fn, args=(it,)))
+        cbs.on_test_batch_end(min(begin + spe, num_batches) - 1, metrics.logs())
+    coord.join()
+    inflight.drain()
+    logs = metrics.logs()
+    cbs.on_test_end(logs)
+    return logs
+
+
+def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Keras's own ``predict`` on the coordinator, with the PS's current weights."""
+    pm = ps_model(model)
+    if pm is not None:
+        pm.sync()
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(None)
+    try:
+        return method(model, *args, **kwargs)
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
+def route(model: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any] | None:
+    """The PS implementation of Keras entry point ``name`` for ``model`` (None: not a PS model)."""
+    strategy = ps_strategy_of(model)
+    if strategy is None:
+        return None
+    if name in ("fit", "evaluate"):
+        run = fit if name == "fit" else evaluate
+
+        def under_strategy(*args: Any, **kwargs: Any) -> Any:
+            # As for the synchronous strategies, fit/evaluate run with the model's strategy current, also when
+            # called outside its scope (callbacks ask keras.distribution.distribution() which strategy trains).
+            from jaxdist.keras.scope import distribution_for
+
+            with distribution_for(strategy).scope():
+                return run(model, *args, **kwargs)
+
+        return under_strategy
+    if name == "predict":
+        return functools.partial(predict, model, method)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{name} under ParameterServerStrategy is not supported: use fit/evaluate (closures on the workers) "
+            "or predict (on the coordinator)")
+
+    return refuse

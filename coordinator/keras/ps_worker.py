@@ -1,0 +1,287 @@
+"""The closures a Keras ``fit``/``evaluate`` under ``ParameterServerStrategy`` runs on the workers.
+
+Each closure object (:class:`TrainSteps`, :class:`EvalSteps`) is pickled once
+per ``fit`` (it carries the model's JSON config, its compile config and the
+PS variable handles, never weights). On a worker the Keras model is rebuilt
+from that config once per model and worker (:func:`worker_model`), then
+every step:
+
+- pulls the model's variables from the PS (one call per PS task, in parallel;
+  of a row-sparse embedding only the rows the batch looks up:
+  :mod:`jaxdist.keras.ps_embedding`);
+- runs Keras's own stateless step (``compute_loss_and_updates`` under
+  ``jax.value_and_grad``, then Keras's metric update), jit-compiled once;
+- training: pushes, in one atomic push per PS task, the gradients (applied
+  by the PS's optimizer), the new non-trainable values (assigned) and ``+1``
+  on the PS step counter. Inside a closure the push carries the closure's
+  identity, so a closure re-run after a worker failure never applies a step
+  twice, and the step counter counts each step exactly once.
+
+A closure returns the Keras metric variables it accumulated over its steps
+(starting from their reset values); the coordinator adds them up
+(:mod:`jaxdist.keras.ps_fit`). The closure's result is kept once, whatever
+re-runs happen, so metrics count each closure exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.cluster_coordinator.datasets import StepsPerExecution
+from jaxdist.proto.ps_wire import Op
+from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, padded, with_input_dims
+from jaxdist.variables import SparseGradient, gradient_updates, pull, push_updates, split_update
+from jaxdist.worker.context import current_worker_index
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "RepeatingDataset", "worker_model"]
+
+
+class ModelSpec:
+    """What a worker needs to run a model's steps: its config and its PS variables (picklable, small)."""
+
+    def __init__(self, uid: str, model_json: str, compile_config: dict[str, Any], trainable: list[Any],
+                 non_trainable: list[Any], iterations: Any, metric_init: list[np.ndarray],
+                 clipping: dict[str, float], sparse: list[SparseEmbedding], num_inputs: int) -> None:
+        self.uid = uid
+        self.model_json = model_json
+        self.compile_config = compile_config
+        self.trainable = trainable
+        self.non_trainable = non_trainable
+        self.iterations = iterations
+        self.metric_init = metric_init
+        self.clipping = clipping
+        #: Row-sparse Embedding layers (only looked-up rows move: :mod:`jaxdist.keras.ps_embedding`).
+        self.sparse = sparse
+        self.num_inputs = num_inputs
+
+
+class _WorkerModel:
+    """A worker's copy of the model (built from the spec) and its jitted steps.
+
+    ``dims`` (row-sparse embeddings): the compact tables' row counts, one per
+    :attr:`ModelSpec.sparse` layer; the copy's layers have that ``input_dim``.
+    """
+
+    def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
+        import keras
+
+        model_json = spec.model_json
+        if dims is not None:
+            model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
+        model = keras.models.model_from_json(model_json)
+        config = dict(spec.compile_config)
+        # The PS runs the optimizer; the worker's copy needs one without slots (Keras's loss computation
+        # reads the optimizer's variables: its step and learning rate) that clips gradients as the user's does.
+        config["optimizer"] = keras.optimizers.serialize(keras.optimizers.SGD(**spec.clipping))
+        model.compile_from_config(config)
+        self.model = model
+        self.spec = spec
+        self.lock = threading.Lock()
+        self._built = False
+        self._train = jax.jit(self._train_step)
+        self._test = jax.jit(model.test_step)
+
+    def build(self, batch: Any) -> None:
+        if self._built:
+            return
+        self.model._symbolic_build(data_batch=batch)
+        m = self.model
+        if (len(m.trainable_variables), len(m.non_trainable_variables), len(m.metrics_variables)) != (
+                len(self.spec.trainable), len(self.spec.non_trainable), len(self.spec.metric_init)):
+            raise ConfigurationError(
+                "the Keras model rebuilt on the worker from its config has other variables than the coordinator's "
+                f"({len(m.trainable_variables)}/{len(m.non_trainable_variables)}/{len(m.metrics_variables)} "
+                f"trainable/non-trainable/metric vs {len(self.spec.trainable)}/{len(self.spec.non_trainable)}/"
+                f"{len(self.spec.metric_init)}): its layers must be serializable (get_config) and registered "
+                "(keras.saving.register_keras_serializable) in a module the worker imports")
+        self.opt_vars = [v.value for v in m.optimizer.variables]
+        self._built = True
+
+    def _train_step(self, trainable: Any, non_trainable: Any, metrics: Any, opt_vars: Any, data: Any) -> Any:
+        m = self.model
+        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
+        grad_fn = jax.value_and_grad(m.compute_loss_and_updates, has_aux=True)
+        (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sw, training=True, optimizer_variables=opt_vars)
+        unscaled_loss, y_pred, non_trainable, metrics = aux
+        _, metrics = m._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sw)
+        return m.optimizer._clip_gradients(grads), non_trainable, metrics
+
+    def train(self, state: tuple[list[Any], list[Any]], metrics: list[Any], batch: Any) -> Any:
+        return self._train(state[0], state[1], metrics, self.opt_vars, batch)
+
+    def test(self, state: tuple[list[Any], list[Any]], metrics: list[Any], batch: Any) -> list[Any]:
+        _, (_, _, metrics) = self._test((state[0], state[1], metrics), batch)
+        return metrics
+
+
+_models: dict[tuple[str, int, tuple[int, ...] | None], _WorkerModel] = {}
+_models_lock = threading.Lock()
+
+
+def worker_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _WorkerModel:
+    """This worker's copy of ``spec``'s model (with compact tables of ``dims`` rows), built on first use
+    (one per model, worker index and size class: in-process test clusters run several workers in one process)."""
+    key = (spec.uid, current_worker_index(), dims)
+    with _models_lock:
+        wm = _models.get(key)
+        if wm is None:
+            wm = _WorkerModel(spec, dims)
+            _models[key] = wm
+        return wm
+
+
+class _Step:
+    """One batch on the worker: the model copy to run, the batch for it, and the rows of its sparse tables."""
+
+    def __init__(self, spec: ModelSpec, batch: Any) -> None:
+        self.spec = spec
+        self.rows: dict[int, Rows] = {}
+        if spec.sparse:
+            x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            got = compact_inputs(x, spec.sparse, spec.num_inputs)
+            if got is not None:
+                x, rows = got
+                self.rows = {e.trainable_index: r for e, r in zip(spec.sparse, rows)}
+                self.model = worker_model(spec, tuple(r.size for r in rows))
+                self.batch = data_adapter_utils.pack_x_y_sample_weight(x, y, sw)
+                self.model.build(self.batch)
+                return
+        self.model = worker_model(spec)
+        self.batch = batch
+        self.model.build(batch)
+
+    def dense_variables(self) -> list[Any]:
+        """The variables pulled whole: trainable ones without rows, then the non-trainable ones."""
+        return [v for i, v in enumerate(self.spec.trainable) if i not in self.rows] + self.spec.non_trainable
+
+    def state(self, dense_values: list[Any]) -> tuple[list[Any], list[Any]]:
+        """``(trainable, non_trainable)`` values: the dense ones given, the sparse tables' rows read now."""
+        it = iter(dense_values)
+        trainable = []
+        for i, var in enumerate(self.spec.trainable):
+            r = self.rows.get(i)
+            trainable.append(next(it) if r is None else padded(var.sparse_read(r.ids), r.size))
+        return trainable, list(it)
+
+    def updates(self, grads: list[Any], non_trainable: list[Any]) -> list[Any]:
+        """The step's pushes: gradients (row-sparse for the sparse tables), non-trainable values, step counter +1."""
+        spec = self.spec
+        out = []
+        for i, (var, g) in enumerate(zip(spec.trainable, grads)):
+            r = self.rows.get(i)
+            grad = np.asarray(g) if r is None else SparseGradient(r.ids, np.asarray(g)[:len(r.ids)])
+            out.extend(gradient_updates(var, grad, broadcast=False))
+        for var, v in zip(spec.non_trainable, non_trainable):
+            out.extend(split_update(var, Op.ASSIGN, np.asarray(v), broadcast=False))
+        out.extend(split_update(spec.iterations, Op.ASSIGN_ADD, np.ones((), np.int64)))
+        return out
+
+
+def train(spec: ModelSpec, batches: Iterator[Any], steps: int) -> list[Any]:
+    """``steps`` training steps on ``batches``; returns the metric state accumulated from the reset values."""
+    metrics = list(spec.metric_init)
+    for _ in range(steps):
+        step = _Step(spec, next(batches))
+        with step.model.lock:
+            state = step.state(pull(step.dense_variables()))
+            grads, non_trainable, metrics = step.model.train(state, metrics, step.batch)
+            push_updates(step.updates(grads, non_trainable))
+    return metrics
+
+
+def evaluate(spec: ModelSpec, batches: Any) -> list[Any]:
+    """Every batch ``batches`` holds (an exactly-once closure's); returns the metric state."""
+    metrics = list(spec.metric_init)
+    dense: dict[int, list[Any]] = {}  # evaluation changes no variable: each closure pulls the dense ones once
+    while len(batches) > 0:
+        step = _Step(spec, next(batches))
+        key = len(step.rows)
+        if key not in dense:
+            dense[key] = pull(step.dense_variables())
+        with step.model.lock:
+            metrics = step.model.test(step.state(dense[key]), metrics, step.batch)
+    return metrics
+
+
+def _metrics_out(metrics: list[Any]) -> list[np.ndarray]:
+    return [np.asarray(m) for m in metrics]
+
+
+class TrainSteps:
+    """``steps`` training steps on the worker's batches (one closure of ``fit``); returns the metric state."""
+
+    def __init__(self, spec: ModelSpec, steps: int) -> None:
+        self.spec = spec
+        self.steps = steps
+        self.__name__ = f"keras_train_x{steps}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, batches: Iterator[Any]) -> list[np.ndarray]:
+        return _metrics_out(train(self.spec, batches, self.steps))
+
+
+class EvalSteps(StepsPerExecution):
+    """Up to ``steps`` evaluation batches of an exactly-once dataset (one closure of ``evaluate``).
+
+    A :class:`StepsPerExecution`, so the coordinator's data ledger gives it
+    ``steps`` batch positions (fewer at the end of the data); it evaluates
+    exactly the batches it was given and returns the metric state.
+    """
+
+    def __init__(self, spec: ModelSpec, steps: int) -> None:
+        super().__init__(self._unused, steps)
+        self.spec = spec
+        self.__name__ = f"keras_eval_x{steps}"
+        self.__qualname__ = self.__name__
+
+    @staticmethod
+    def _unused(*args: Any) -> None:  # pragma: no cover - __call__ is overridden
+        raise AssertionError("EvalSteps runs its own steps")
+
+    def __call__(self, batches: Any) -> list[np.ndarray]:
+        return _metrics_out(evaluate(self.spec, batches))
+
+
+class RepeatingDataset:
+    """The per-worker dataset of ``fit``: the user's iterable, re-iterated when a pass ends (TF's ``.repeat()``).
+
+    ``fit`` schedules exactly ``steps_per_epoch`` steps per epoch, so the data
+    must not run out: a pass that yields nothing (a one-shot generator
+    already consumed) raises ConfigurationError.
+    """
+
+    def __init__(self, iterable: Any) -> None:
+        self._iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            got = False
+            for batch in self._iterable:
+                got = True
+                yield batch
+            if not got:
+                raise ConfigurationError(
+                    "the per-worker dataset of fit() ran out: return a re-iterable (a list, a keras PyDataset-like "
+                    "sequence, an object whose __iter__ starts a new pass) or an endless iterator from dataset_fn")
+
+
+class RepeatingDatasetFn:
+    """``dataset_fn`` whose result is wrapped in :class:`RepeatingDataset` (runs on the workers)."""
+
+    def __init__(self, dataset_fn: Any) -> None:
+        self.dataset_fn = dataset_fn
+
+    def __call__(self, input_context: Any) -> RepeatingDataset:
+        from jaxdist.keras.data import call_dataset_fn
+
+        return RepeatingDataset(call_dataset_fn(self.dataset_fn, input_context))

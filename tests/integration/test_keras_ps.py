@@ -1,0 +1,558 @@
+"""Keras 3 fit/evaluate/predict under ParameterServerStrategy, on in-process clusters (real gRPC PS and workers).
+
+Keras picks its backend at import and the pytest process stays Keras-free, so
+every check runs in ONE fresh subprocess (``python tests/integration/test_keras_ps.py``)
+that prints one JSON line ``{check: null | traceback}``; each test asserts on
+one check's result. The reference of every comparison is Keras's own
+single-device run of the same program (same initial weights, same batches
+in the same order).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
+
+RESULT_PREFIX = "KERAS_PS_RESULTS="
+CHECKS: dict[str, Callable[[], None]] = {}
+
+# float32: the PS applies the update in its own jit, Keras in its fused train step (1-ulp differences).
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def check(fn: Callable[[], None]) -> Callable[[], None]:
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------
+# Helpers (inside the subprocess)
+# ---------------------------------------------------------------------------------------
+
+
+def _data(n: int = 192, d: int = 8, classes: int = 3, seed: int = 0) -> tuple[Any, Any]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, d)).astype(np.float32)
+    w = rng.normal(size=(d, classes)).astype(np.float32)
+    y = np.argmax(x @ w + 0.3 * rng.normal(size=(n, classes)), axis=1).astype(np.int32)
+    return x, y
+
+
+class Batches:
+    """The per-worker dataset: fixed batches in order (module-level: it pickles to the workers)."""
+
+    def __init__(self, x: Any, y: Any, batch: int) -> None:
+        self.items = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+
+    def __call__(self, input_context: Any) -> Any:
+        return self.items
+
+
+def _mlp(optimizer: Any, steps_per_execution: int = 1) -> Any:
+    import keras
+
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _cluster(num_workers: int, num_ps: int) -> Any:
+    from jaxdist.testing import InProcessCluster
+
+    return InProcessCluster(num_workers=num_workers, num_ps=num_ps)
+
+
+def _close(strategy: Any) -> None:
+    coord = strategy.coordinator
+    if coord is not None:
+        coord.shutdown(exit_tasks=False)
+    strategy.close()
+
+
+def _assert_weights(got: list[Any], want: list[Any], what: str) -> None:
+    import numpy as np
+
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=f"{what}: weight {i}")
+
+
+def _bn_dropout(optimizer: Any, steps_per_execution: int = 1) -> Any:
+    import keras
+
+    # No bias before BatchNormalization: its gradient is float noise, which Adam would amplify into the result.
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, use_bias=False), keras.layers.BatchNormalization(),
+                              keras.layers.Activation("relu"), keras.layers.Dropout(0.3, seed=7), keras.layers.Dense(3)])
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
+def _parity(make_optimizer: Callable[[], Any], spe: int = 1, make_model: Callable[..., Any] = _mlp) -> None:
+    """1 worker (steps in order), 2 PS, every variable partitioned in 2: the same weights, logs and step count as Keras."""
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    epochs, steps = 2, 6  # 6 batches of 32 = one pass per epoch
+    with _cluster(1, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(),
+                                                   variable_partitioner=jaxdist.FixedShardsPartitioner(2))
+        try:
+            with strategy.scope():
+                model = make_model(make_optimizer(), spe)
+            initial = [v.numpy() for v in model.variables]  # with the seed and BatchNormalization state
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=epochs, steps_per_epoch=steps,
+                             verbose=0)
+            got = [v.numpy() for v in model.variables]
+            kernel = jaxdist.keras.ps_variables(model)[0]
+            assert isinstance(kernel, jaxdist.ShardedVariable) and len(kernel.variables) == 2, kernel
+            assert int(model.optimizer.iterations.numpy()) == epochs * steps
+        finally:
+            _close(strategy)
+    ref = make_model(make_optimizer(), spe)
+    for v, value in zip(ref.variables, initial):
+        v.assign(value)
+    ref_hist = ref.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    _assert_weights(got, [v.numpy() for v in ref.variables], "PS fit vs Keras fit")
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(hist.history[key], ref_hist.history[key], rtol=1e-5, err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------
+# Checks
+# ---------------------------------------------------------------------------------------
+
+
+@check
+def parity_sgd() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.1))
+
+
+@check
+def parity_sgd_momentum_steps_per_execution() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.05, momentum=0.9), spe=4)  # 6 steps: closures of 4 then 2
+
+
+@check
+def parity_sgd_nesterov() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.05, momentum=0.8, nesterov=True))
+
+
+@check
+def parity_adam() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01))
+
+
+@check
+def parity_adam_amsgrad_clipnorm() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01, amsgrad=True, clipnorm=0.5))
+
+
+@check
+def parity_rmsprop_centered_momentum() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.RMSprop(0.005, momentum=0.5, centered=True))
+
+
+@check
+def parity_rmsprop() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.RMSprop(0.01, clipvalue=0.1))
+
+
+@check
+def parity_sgd_global_clipnorm() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.SGD(0.5, global_clipnorm=0.3))
+
+
+@check
+def parity_adagrad() -> None:
+    import keras
+
+    _parity(lambda: keras.optimizers.Adagrad(0.1))
+
+
+@check
+def parity_batchnorm_dropout() -> None:
+    """Non-trainable state (BatchNormalization statistics, Dropout's seed) lives on the PS and follows Keras's."""
+    import keras
+
+    _parity(lambda: keras.optimizers.Adam(0.01), spe=2, make_model=_bn_dropout)
+
+
+@check
+def two_workers_exact_steps_and_metrics() -> None:
+    """2 workers, steps_per_execution 3 over 7 steps: the PS applies exactly 7 steps per epoch, metrics count every row."""
+    import keras
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    with _cluster(2, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.Adam(0.01), steps_per_execution=3)
+            counts = []
+
+            class Counts(keras.callbacks.Callback):
+                def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+                    counts.append([float(v.numpy()) for v in self.model.metrics_variables if v.path.endswith("count")])
+
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=3, steps_per_epoch=7, verbose=0,
+                             callbacks=[Counts()])
+            assert int(model.optimizer.iterations.numpy()) == 21
+            assert strategy.coordinator.closure_counts.finished >= 9  # 3 closures (3+3+1 steps) per epoch
+            assert counts and all(c == [7 * 32.0] * len(c) for c in counts), counts  # loss and accuracy: 224 rows each
+            assert len(hist.history["loss"]) == 3 and hist.history["loss"][-1] < hist.history["loss"][0], hist.history
+        finally:
+            _close(strategy)
+
+
+@check
+def fit_on_arrays_shards_rows_over_workers() -> None:
+    """fit(x, y, batch_size=) as tf.keras: each worker its shard of the rows; an epoch is one pass of steps by default."""
+    import keras
+
+    import jaxdist
+
+    x, y = _data(n=200)
+    with _cluster(2, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.Adam(0.02), steps_per_execution=2)
+            hist = model.fit(x, y, batch_size=32, epochs=4, verbose=0)
+            assert int(model.optimizer.iterations.numpy()) == 4 * 7  # ceil(200 / 32) steps per epoch
+            assert hist.history["accuracy"][-1] > 0.8, hist.history
+        finally:
+            _close(strategy)
+
+
+@check
+def evaluate_exactly_once_matches_keras() -> None:
+    """evaluate visits each row once (arrays with a short last batch, and a DatasetCreator sequence); same as Keras."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data(n=250, seed=1)
+    with _cluster(2, 2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1), steps_per_execution=3)
+            model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 25)), epochs=1, steps_per_epoch=5, verbose=0)
+            got = model.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+            count = [float(v.numpy()) for v in model.metrics_variables if v.path.endswith("count")]
+            assert count == [250.0] * len(count), count
+            seq = Batches(x, y, 50)
+            got_seq = model.evaluate(jaxdist.keras.DatasetCreator(seq), steps=5, return_dict=True, verbose=0)
+            as_list = model.evaluate(x, y, batch_size=32, verbose=0)
+            preds = model.predict(x[:10], verbose=0)
+            weights = model.get_weights()
+        finally:
+            _close(strategy)
+    ref = _mlp(keras.optimizers.SGD(0.1))
+    ref.set_weights(weights)
+    want = ref.evaluate(x, y, batch_size=32, return_dict=True, verbose=0)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-5, err_msg=key)
+        np.testing.assert_allclose(got_seq[key], want[key], rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(as_list, [want["loss"], want["accuracy"]], rtol=1e-5)
+    np.testing.assert_allclose(preds, ref.predict(x[:10], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+@check
+def validation_data_is_evaluated_each_epoch() -> None:
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data()
+    xv, yv = _data(n=70, seed=3)
+    with _cluster(1, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1))
+            hist = model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=3, steps_per_epoch=6,
+                             validation_data=(xv, yv), validation_batch_size=16, verbose=0)
+            # The last validation (one exactly-once dataset serves the 3 of them) counted each of the 70 rows once.
+            counts = [float(v.numpy()) for v in model.metrics_variables if v.path.endswith("count")]
+            assert counts == [70.0] * len(counts), counts
+            last = model.evaluate(xv, yv, return_dict=True, verbose=0)
+        finally:
+            _close(strategy)
+    assert set(hist.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}, hist.history
+    assert len(hist.history["val_loss"]) == 3, hist.history
+    np.testing.assert_allclose(hist.history["val_loss"][-1], last["loss"], rtol=1e-6)
+
+
+def _embedding_parity(make_optimizer: Callable[[], Any], sparse: bool, vocab: int = 20_000, dim: int = 16) -> None:
+    """An Embedding partitioned over 3 PS tasks (a ShardedVariable): the same weights and evaluation as Keras's
+    single-device fit; with a row-sparse update rule, each step pulls only the looked-up rows of the table."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    n, batch, epochs, steps = 192, 32, 2, 6
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, vocab, size=(n, 4)).astype(np.int32)
+    y = (ids[:, 0] % 2).astype(np.int32)
+
+    def make() -> Any:
+        model = keras.Sequential([keras.Input((4,), dtype="int32"), keras.layers.Embedding(vocab, dim),
+                                  keras.layers.Flatten(), keras.layers.Dense(2)])
+        model.compile(make_optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def pulled(strategy: Any) -> int:
+        return sum(c.status().counters["bytes_pulled"] for c in strategy.connections.clients)
+
+    with _cluster(1, 3) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(
+            cluster.cluster_resolver(), variable_partitioner=jaxdist.MinSizePartitioner(min_shard_bytes=1024, max_shards=3))
+        try:
+            with strategy.scope():
+                model = make()
+            initial = model.get_weights()
+            model_bytes = sum(w.nbytes for w in initial)
+            before = pulled(strategy)
+            model.fit(jaxdist.keras.DatasetCreator(Batches(ids, y, batch)), epochs=epochs, steps_per_epoch=steps,
+                      verbose=0)
+            during_steps = pulled(strategy) - before - epochs * model_bytes  # each epoch end syncs the whole model
+            table = jaxdist.keras.ps_variables(model)[0]
+            assert isinstance(table, jaxdist.ShardedVariable) and len(table.variables) == 3, table
+            got = model.get_weights()
+            got_eval = model.evaluate(ids, y, batch_size=batch, return_dict=True, verbose=0)
+        finally:
+            _close(strategy)
+    table_bytes = vocab * dim * 4
+    dense_rest = model_bytes - table_bytes
+    if sparse:  # at most batch*4 rows of the table per step, plus the small dense layer
+        assert during_steps <= epochs * steps * (batch * 4 * dim * 4 + dense_rest + 64), (during_steps, table_bytes)
+    else:
+        assert during_steps >= epochs * steps * table_bytes, (during_steps, table_bytes)
+    ref = make()
+    ref.set_weights(initial)
+    ref.fit(ids, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
+    _assert_weights(got, ref.get_weights(), "partitioned embedding")
+    want = ref.evaluate(ids, y, batch_size=batch, return_dict=True, verbose=0)
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(got_eval[key], want[key], rtol=1e-5, err_msg=key)
+
+
+@check
+def embedding_rows_only_adagrad() -> None:
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.Adagrad(0.5), sparse=True)
+
+
+@check
+def embedding_rows_only_sgd() -> None:
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.SGD(1.0), sparse=True)
+
+
+@check
+def embedding_dense_under_adam() -> None:
+    """Adam updates every row (Keras's dense rule): the whole table moves, and the result is Keras's."""
+    import keras
+
+    _embedding_parity(lambda: keras.optimizers.Adam(0.01), sparse=False, vocab=2_000)
+
+
+@check
+def refusals_are_clear() -> None:
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.base.errors import ConfigurationError
+
+    x, y = _data()
+    data = jaxdist.keras.DatasetCreator(Batches(x, y, 32))
+
+    def raises(exc: type, fn: Callable[[], Any], text: str) -> None:
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e), (text, e)
+        else:
+            raise AssertionError(f"no {exc.__name__} ({text})")
+
+    with _cluster(1, 1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            with strategy.scope():
+                model = _mlp(keras.optimizers.SGD(0.1))
+                adamax = _mlp(keras.optimizers.Adamax(0.1))
+                decayed = _mlp(keras.optimizers.SGD(0.1, weight_decay=0.01))
+                scheduled = _mlp(keras.optimizers.SGD(keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)))
+            raises(ValueError, lambda: model.fit(data, epochs=1, verbose=0), "steps_per_epoch")
+            raises(ConfigurationError, lambda: model.fit((b for b in [(x, y)]), steps_per_epoch=2, verbose=0),
+                   "DatasetCreator")
+            raises(ValueError, lambda: model.fit(data, y, steps_per_epoch=2, verbose=0), "y=")
+            raises(ValueError, lambda: model.fit(x, y, class_weight={0: 1.0}, verbose=0), "class_weight")
+            raises(ValueError, lambda: model.evaluate(data, verbose=0), "steps=")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: adamax.fit(data, steps_per_epoch=1, verbose=0),
+                   "Adamax")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: decayed.fit(data, steps_per_epoch=1, verbose=0),
+                   "weight_decay")
+            raises(jaxdist.keras.UnsupportedOptimizerError, lambda: scheduled.fit(data, steps_per_epoch=1, verbose=0),
+                   "schedule")
+            raises(NotImplementedError, lambda: model.train_on_batch(x[:4], y[:4]), "train_on_batch")
+            with tempfile.TemporaryDirectory() as backup_dir:  # not supported on PS yet: refused, not ignored
+                raises(NotImplementedError, lambda: model.fit(data, steps_per_epoch=1, verbose=0, callbacks=[
+                    jaxdist.keras.BackupAndRestore(backup_dir)]), "ParameterServerStrategy")
+
+            class ChangeLR(keras.callbacks.Callback):
+                def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+                    self.model.optimizer.learning_rate.assign(0.5)
+
+            raises(ConfigurationError, lambda: model.fit(data, steps_per_epoch=2, verbose=0, callbacks=[ChangeLR()]),
+                   "learning rate changed")
+            outside = _mlp(keras.optimizers.SGD(0.1))
+            with strategy.scope():
+                raises(ConfigurationError, lambda: outside.fit(x, y, epochs=1, verbose=0), "not built in")
+            # Outside any scope a plain model still trains with Keras alone.
+            outside.fit(x, y, epochs=1, verbose=0)
+            assert np.isfinite(outside.get_weights()[0]).all()
+        finally:
+            _close(strategy)
+
+
+def _run_checks(names: list[str]) -> dict[str, str | None]:
+    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
+
+    results: dict[str, str | None] = {}
+    for name in names:
+        try:
+            CHECKS[name]()
+            results[name] = None
+        except BaseException:  # noqa: BLE001 - report every failure to the parent
+            results[name] = traceback.format_exc()
+    return results
+
+
+# ---------------------------------------------------------------------------------------
+# Tests (run in pytest; each asserts on one check of the shared subprocess)
+# ---------------------------------------------------------------------------------------
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["JAX_PLATFORMS"] = "cpu"
+    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER", "SLURM_JOB_ID", "KERAS_BACKEND"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def check_results() -> dict[str, str | None]:
+    proc = subprocess.run([sys.executable, __file__, *CHECKS], env=subprocess_env(), capture_output=True, text=True,
+                          timeout=540)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise AssertionError(f"check subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_keras_on_parameter_servers(name: str, check_results: dict[str, str | None]) -> None:
+    assert name in check_results, f"check {name} did not run"
+    err = check_results[name]
+    if err is not None:
+        pytest.fail(f"{name} failed in the subprocess:\n{err}", pytrace=False)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_keras_fit_example_on_parameter_servers() -> None:
+    """examples/keras_fit.py --strategy parameter_server (1 PS + 2 worker processes): digits to >= 90% accuracy."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "examples" / "keras_fit.py"), "--strategy", "parameter_server", "--epochs", "4",
+         "--verbose", "0"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=280, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
+    assert result["strategy"] == "parameter_server" and result["replicas"] == 1, result
+    assert result["test_accuracy"] >= 0.9, result
+    assert abs(result["test_accuracy"] - result["predict_accuracy"]) < 1e-6, result
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_bench_keras_ps_prints_its_figures() -> None:
+    """bench/bench_keras_ps.py (one tiny round): both contenders' medians, the ratio, the embedding figure."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(root / "bench" / "bench_keras_ps.py"), "--rounds", "1", "--epochs", "2", "--steps", "8",
+         "--spe", "4", "--batch", "32", "--hidden", "32", "--vocab", "20000", "--dim", "8", "--emb-examples", "256"],
+        env=subprocess_env(), capture_output=True, text=True, timeout=380, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    medians = {r["contender"]: r["median_steps_per_s"] for r in rows if "median_steps_per_s" in r}
+    assert set(medians) == {"keras_fit", "custom_loop"} and min(medians.values()) > 0, rows
+    (ratio,) = [r for r in rows if r["figure"] == "keras_ps_fit_ratio"]
+    assert ratio["keras_fit_over_custom_loop"] > 0
+    (emb,) = [r for r in rows if r["figure"] == "keras_ps_embedding"]
+    assert emb["shards"] == 2 and emb["steps_per_s"] > 0, emb
+    # Only looked-up rows move: 32 rows x 8 ids x 8 floats per step at most, plus the small dense layer.
+    assert 0 < emb["bytes_pulled_per_step"] < emb["table_bytes"] / 10, emb
+    assert 0 <= emb["accuracy"] <= 1 and 0 <= emb["keras_single_process_accuracy"] <= 1, emb
+
+
+if __name__ == "__main__":
+    print(RESULT_PREFIX + json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))), flush=True)
