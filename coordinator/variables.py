@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from jaxdist import prefetch
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
+from jaxdist.worker import prefetch
 from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
 __all__ = [
@@ -308,7 +308,7 @@ def pull(tree: Any, dtype: Any = None, prefetch_next: bool = False) -> Any:
     reading ``tree`` in the background for the next such call, so that read
     runs while this step computes and pushes. The values may then miss this
     worker's previous step's gradients (a delay of at most one step; see
-    :mod:`jaxdist.prefetch` for the exact guarantee and its age bound). Not
+    :mod:`jaxdist.worker.prefetch` for the exact guarantee and its age bound). Not
     with synchronous or bounded-stale steps (ConfigurationError).
     """
     td = _pull_dtype(dtype)
@@ -525,7 +525,7 @@ def push_pull(variables: Any, grads: Any, transfer_dtype: Any = None, dtype: Any
     ``prefetch_next``: also keep the returned values for the next ``pull(variables, dtype=dtype,
     prefetch_next=True)`` on this worker, which then returns them without a call (a training loop
     of ``pull(prefetch_next=True)`` then ``push_pull(prefetch_next=True)`` makes one round trip
-    per step and computes on values that hold all of its own updates; see :mod:`jaxdist.prefetch`).
+    per step and computes on values that hold all of its own updates; see :mod:`jaxdist.worker.prefetch`).
 
     Raises:
         ConfigurationError: inside a closure while the PS runs synchronous or bounded-stale steps

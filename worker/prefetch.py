@@ -38,9 +38,12 @@ Not with synchronous or bounded-stale steps: there a read is also the step
 barrier, which a prefetch would skip; ``pull(prefetch_next=True)`` raises
 :class:`~jaxdist.base.errors.ConfigurationError` when the PS reports steps.
 
-Lifecycle: background reads run on one small thread pool per process
-(non-daemon threads, each read bounded by its deadline); :func:`clear` drops
-every slot (waiting for reads in flight), e.g. before a worker shuts down.
+Lifecycle: background reads run on one small thread pool per process (each
+read bounded by its deadline). A slot belongs to one set of PS connections
+(its key starts with their ``id``): when a worker replaces or closes its
+connections, or a strategy closes, :func:`forget` drops their slots (waiting
+for reads in flight) and stops the pool once no slot is left; :func:`clear`
+drops them all.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from jaxdist.worker import context as wctx
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PREFETCH_MAX_AGE_S", "clear", "store", "take_and_refill"]
+__all__ = ["PREFETCH_MAX_AGE_S", "clear", "forget", "store", "take_and_refill"]
 
 #: A prefetched value whose read started longer ago than this is not used (a fresh pull is made).
 PREFETCH_MAX_AGE_S = 10.0
@@ -97,6 +100,7 @@ def _slot_of(key: tuple[Any, ...]) -> _Slot | None:
 def take_and_refill(key: tuple[Any, ...], read: Callable[[], Any], check_fresh: Callable[[], None]) -> Any:
     """The values for ``pull(tree, prefetch_next=True)`` (see the module docstring).
 
+    ``key`` starts with ``id()`` of the PS connections read through (see :func:`forget`).
     ``read()`` pulls the tree in the calling context (the caller's own pull);
     ``check_fresh()`` runs after a fresh pull made here, in the caller's
     context, and raises if prefetching is not allowed (synchronous steps).
@@ -145,11 +149,33 @@ def store(key: tuple[Any, ...], values: Any, started: float) -> None:
         old.future.cancel()  # a background read not started yet is not needed any more
 
 
-def clear() -> None:
-    """Drop every slot of this process, waiting for background reads in flight to end."""
+def forget(conns: Any) -> None:
+    """Drop the slots of PS connections ``conns`` (the task closes them), waiting for their background
+    reads in flight to end; the thread pool is shut down once no slot is left. Called by a worker
+    when its connections are replaced or closed, and by a strategy's ``close``."""
+    global _pool
     with _lock:
-        slots = list(_slots.values())
-        _slots.clear()
+        gone = [k for k in _slots if k[0] == id(conns)]
+        slots = [_slots.pop(k) for k in gone]
+        pool = _pool if not _slots else None
+        if pool is not None:
+            _pool = None
     for s in slots:
         s.future.cancel()
     futures.wait([s.future for s in slots])
+    if pool is not None:
+        pool.shutdown(wait=True)
+
+
+def clear() -> None:
+    """Drop every slot of this process (waiting for background reads in flight) and stop the pool."""
+    global _pool
+    with _lock:
+        slots = list(_slots.values())
+        _slots.clear()
+        pool, _pool = _pool, None
+    for s in slots:
+        s.future.cancel()
+    futures.wait([s.future for s in slots])
+    if pool is not None:
+        pool.shutdown(wait=True)
