@@ -79,11 +79,18 @@ which includes the kernel's forwarding and other users' jobs), normalised per MB
 jaxdist's MLP step timed phase by phase inside the closures (``jaxdist_workloads.py --workload
 mlp_phases``). Lines ``"kind": "profile"``; CPU differences of small runs are within the 10 ms tick.
 
+--mlp-mode prefetch|fused (default pull_push, the same step as TF's) runs jaxdist's MLP with
+``jaxdist.pull(prefetch_next=True)`` (the next step's pull overlaps this step's compute and push on
+the full-duplex links; a step may miss its own previous gradients) or ``jaxdist.push_pull`` (one
+round trip per step); --grad-dtype/--pull-dtype bfloat16 send jaxdist's MLP gradients/parameters in
+bfloat16 (TF's stay float32). The config line records them.
+
 Every namespace, process and temporary file is removed on exit, Ctrl-C and SIGTERM; after a SIGKILL,
 ``--cleanup TAG`` removes what is left (the tag is in the ``"kind": "lab"`` line and on stderr).
 
 Usage: python bench/netbench.py [--rounds 3] [--rates 1gbit,5gbit] [--size-mb 64] [--mlp-steps 200]
        [--noop-closures 5000] [--tf-python PATH] [--out bench/results/netbench.jsonl] [--profile [RATE]]
+       [--mlp-mode pull_push|prefetch|fused] [--grad-dtype float32|bfloat16] [--pull-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
