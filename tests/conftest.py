@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import sys
+import tempfile
 from collections.abc import Iterator
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+#: This run's own temporary directory (inherited by every subprocess through TMPDIR): what a test
+#: leaves in it is found by the module check below without seeing a concurrent run's files, and it
+#: is removed when the run passes (kept, and named, when it fails).
+RUN_TMP = tempfile.mkdtemp(prefix="jaxdist-tests-")
+os.environ["TMPDIR"] = RUN_TMP
+tempfile.tempdir = RUN_TMP
 
 TOKEN = "test-token"
 
@@ -32,13 +43,31 @@ SHARED_FIXTURES = frozenset({
 _LEFTOVER_GRACE_S = 30.0
 
 
+def _jaxdist_temp_entries() -> set[str]:
+    return set(glob.glob(os.path.join(RUN_TMP, "jaxdist-*")))
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _nothing_outlives_the_module() -> Iterator[None]:
-    """No jaxdist-* thread or child process started in a module outlives it (its fixtures included)."""
+    """No jaxdist-* thread or child process started in a module outlives it (its fixtures included),
+    and it leaves no jaxdist-* entry (a cluster's log directory) in the temporary directory."""
     before = Leftovers.now()
+    entries = _jaxdist_temp_entries()
     yield
     left = before.wait_gone(_LEFTOVER_GRACE_S)
     assert not left, f"left running after the module: {left.describe()}"
+    added = sorted(_jaxdist_temp_entries() - entries)
+    assert not added, (
+        f"left in the temporary directory after the module: {added} (a LocalCluster keeps its logs only "
+        "when a task failed; a test that SIGKILLs the process owning a cluster gives it a log_dir in tmp_path)"
+    )
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if exitstatus == 0:
+        shutil.rmtree(RUN_TMP, ignore_errors=True)
+    else:
+        print(f"\njaxdist tests: temporary files of this run kept in {RUN_TMP}", file=sys.stderr)
 
 
 #: Test modules where some test uses a shared fixture: the servers and clients such a fixture

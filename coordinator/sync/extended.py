@@ -44,7 +44,7 @@ def merge_reduce(strategy: Any, op: ReduceOp, value: Any, axis: int | None, opti
     """``strategy.reduce`` inside ``merge_fn``: an in-replica all-reduce of the handed-over values."""
     rep, ax = _merge_axis()
     r = strategy.num_replicas_in_sync
-    plan = strategy._collective_plan(options, "reduce")
+    plan = strategy.collective_plan(options, "reduce")
 
     def one(x: Any) -> Any:
         _reject_outside_value(x, "reduce")
@@ -219,7 +219,7 @@ class StrategyExtended:
         if ctx_lib.in_merge():
             return merge_reduce(s, op, value, None, options)
         s._check_options(options, "reduce_to")
-        ops = s._collective_plan(options, "reduce_to")
+        ops = s.collective_plan(options, "reduce_to")
         if isinstance(value, PerReplica) and isinstance(ops, cdo.ReductionToOneDevice):
             return self._place(self._reduce_on_one_device(ops, op, value), destinations)
         return self._place(s.reduce(op, value, axis=None), destinations)
@@ -251,7 +251,7 @@ class StrategyExtended:
         s = self._strategy
         if ctx_lib.in_merge():
             rep, ax = _merge_axis()
-            plan = s._collective_plan(options, "batch_reduce_to")
+            plan = s.collective_plan(options, "batch_reduce_to")
             merged = [v for v, _ in pairs]
             for v in merged:
                 _reject_outside_value(v, "batch_reduce_to")

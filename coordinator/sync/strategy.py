@@ -544,7 +544,11 @@ class Strategy:
             )
         return opts
 
-    def _collective_plan(self, options: Any, what: str) -> cdo.CrossDeviceOps:
+    def collective_plan(self, options: Any, what: str) -> cdo.CrossDeviceOps:
+        """The cross-device ops a collective called with ``options`` uses: the plan the options ask for
+        (``CommunicationOptions(implementation=..., bytes_per_pack=...)``) where they ask for one, else the
+        strategy's own ``cross_device_ops``. ``what`` names the calling API in the errors for options that
+        cannot apply per call (``timeout_seconds``)."""
         opts = self._check_options(options, what)
         if opts is not None:
             plan = cdo.plan_from_options(opts, self._platform())
@@ -559,7 +563,7 @@ class Strategy:
         rep = ctx_lib.current_replica()
         if rep is None or rep.axis_name is None:
             return jax.tree.map(jnp.asarray, value)
-        plan = self._collective_plan(options, "all_reduce")
+        plan = self.collective_plan(options, "all_reduce")
         return cdo.all_reduce(plan, op is ReduceOp.MEAN, value, rep.axis_name, self.num_replicas_in_sync)
 
     # -- helpers shared with input_lib -----------------------------------------------

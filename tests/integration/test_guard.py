@@ -58,6 +58,10 @@ class _Client(ServiceClient):
     SERVICE = "test.Guarded"
     ROLE = "ps"
 
+    def empty_call(self, method: str) -> None:
+        """One unary call of ``method`` with an empty request, through the shared client path."""
+        self._call(self._unary(method, common_pb2.Empty, common_pb2.Empty), common_pb2.Empty(), timeout=5)
+
 
 @contextmanager
 def _servers() -> Iterator[tuple[Server, dataplane.DataPlaneServer]]:
@@ -94,7 +98,7 @@ def test_same_exception_same_typed_error_on_both_transports(case: str) -> None:
         dpc = dataplane.DataPlaneClient("127.0.0.1", dp.port, CREDS, shared_memory=False)  # type: ignore[arg-type]
         try:
             with pytest.raises(E.JaxdistError) as over_grpc:
-                client._call(client._unary(case, common_pb2.Empty, common_pb2.Empty), common_pb2.Empty(), timeout=5)
+                client.empty_call(case)
             with pytest.raises(dataplane.DataPlaneError) as raw:
                 dpc.call(METHOD[case], b"", (), timeout=5)
             over_dp = client.status_error(raw.value.code, raw.value.details, raw.value.reason)
@@ -103,7 +107,7 @@ def test_same_exception_same_typed_error_on_both_transports(case: str) -> None:
                 assert type(err) is cls and err.grpc_code == code and err.task == "ps:7"  # type: ignore[attr-defined]
             # Both servers still answer on the same connection / channel.
             with pytest.raises(type(over_grpc.value)):
-                client._call(client._unary(case, common_pb2.Empty, common_pb2.Empty), common_pb2.Empty(), timeout=5)
+                client.empty_call(case)
             with pytest.raises(dataplane.DataPlaneError):
                 dpc.call(METHOD[case], b"", (), timeout=5)
         finally:

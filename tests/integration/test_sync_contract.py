@@ -560,7 +560,7 @@ def cross_device_ops_choose_the_collective() -> None:
         pr = jaxdist.PerReplica(jax.device_put(ints, s.per_replica_sharding))
         summed = s.run(lambda v: jaxdist.get_replica_context().all_reduce("sum", [v, v[:2]]), args=(pr,))
         np.testing.assert_array_equal(summed[0], np.asarray(ints).sum(0))  # exact on integer values
-        text = str(jax.make_jaxpr(lambda v: s._cross_device_ops.all_reduce_sum([v], "replica", 8), axis_env=[("replica", 8)])(ints[0]))
+        text = str(jax.make_jaxpr(lambda v: s.collective_plan(None, "t").all_reduce_sum([v], "replica", 8), axis_env=[("replica", 8)])(ints[0]))
         assert primitive in text, (name, text)
     assert added and set(added) == {8}
     # Per call: RING is reduce-scatter + all-gather; bytes_per_pack makes one collective per pack.
@@ -574,7 +574,7 @@ def cross_device_ops_choose_the_collective() -> None:
         out = s.run(fn, args=(pr,))
         np.testing.assert_array_equal(out[0], np.asarray(ints).sum(0))
         np.testing.assert_array_equal(out[2], np.asarray(ints).sum(0)[:1])
-        plan = s._collective_plan(opts, "t")
+        plan = s.collective_plan(opts, "t")
         text = str(jax.make_jaxpr(lambda v: plan.all_reduce_sum([v, v[:2], v[:1]], "replica", 8), axis_env=[("replica", 8)])(ints[0]))
         assert text.count(prim) >= count, (prim, text)
     # ReductionToOneDevice outside run really reduces on reduce_to_device.

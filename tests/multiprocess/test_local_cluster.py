@@ -46,11 +46,12 @@ def test_nothing_left_when_coordinator_script_is_sigkilled(tmp_path) -> None:  #
     script.write_text(textwrap.dedent("""
         import os, sys, time
         from jaxdist import LocalCluster
-        c = LocalCluster(num_workers=1, num_ps=1).start()
+        # A SIGKILLed launcher cannot remove its log directory: keep it in the test's tmp_path.
+        c = LocalCluster(num_workers=1, num_ps=1, log_dir=sys.argv[1]).start()
         print("PIDS", c.pid("ps:0"), c.pid("worker:0"), flush=True)
         time.sleep(600)
     """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "logs")], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), line

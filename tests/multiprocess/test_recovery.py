@@ -84,7 +84,8 @@ COORDINATOR = textwrap.dedent(
     import numpy as np, optax, jax, jax.numpy as jnp
     import jaxdist
     ckpt_dir, total = sys.argv[1], int(sys.argv[2])
-    with jaxdist.LocalCluster(num_workers=1, num_ps=2) as cluster:
+    # Logs beside the checkpoint: a SIGKILLed coordinator cannot remove its cluster's log directory.
+    with jaxdist.LocalCluster(num_workers=1, num_ps=2, log_dir=ckpt_dir + "-logs") as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         with strategy.scope():
             params = jaxdist.create_variables({"w": np.zeros((8, 1), np.float32), "b": np.zeros(1, np.float32)},
@@ -137,7 +138,7 @@ def test_coordinator_sigkill_and_restart_reaches_the_same_state(tmp_path) -> Non
         if line.startswith("STEP 30"):
             proc.send_signal(signal.SIGKILL)  # the coordinator dies mid-run (and its local cluster with it)
             break
-    proc.wait(30)
+    proc.communicate(timeout=30)  # reaps it and closes the pipe
     assert proc.returncode == -signal.SIGKILL, seen
     again = subprocess.run([sys.executable, str(script), str(tmp_path / "b"), str(total)], capture_output=True, text=True, timeout=200)
     assert again.returncode == 0, again.stderr[-3000:]

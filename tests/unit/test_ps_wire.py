@@ -159,9 +159,9 @@ def test_data_plane_envelopes_are_unchanged() -> None:
 
 
 # ------------------------------------------------------------------- shards()
-def _sharded(dim0: int, k: int, dtype: Any = np.float32) -> ShardedVariable:
+def _sharded(dim0: int, k: int, dtype: Any = np.float32, conns: Any = None) -> ShardedVariable:
     offsets = shard_offsets(dim0, k)
-    return ShardedVariable("t", [Variable(f"t/part_{i}", (b - a, 3), dtype, ps_index=i % 2)
+    return ShardedVariable("t", [Variable(f"t/part_{i}", (b - a, 3), dtype, ps_index=i % 2, conns=conns)
                                  for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:]))])
 
 
@@ -224,9 +224,7 @@ def test_apply_gradient_and_apply_gradients_send_the_same_bytes(sharded: bool, g
     a bf16/f16 gradient of a float32 variable travels narrow both ways (before, the method cast it up)."""
     rec = _Recorder()
     if sharded:
-        v: Any = _sharded(10, 4)
-        for s, _ in v.shards():
-            s._conns = rec
+        v: Any = _sharded(10, 4, conns=rec)
     else:
         v = Variable("w", (10, 3), np.float32, ps_index=0, conns=rec)  # type: ignore[arg-type]
     g = np.random.default_rng(0).normal(size=(10, 3)).astype(grad_dtype)
