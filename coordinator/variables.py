@@ -322,10 +322,9 @@ def pull(tree: Any, dtype: Any = None, prefetch_next: bool = False) -> Any:
 def _prefetch_key(tree: Any, td: np.dtype | None) -> tuple[Any, ...]:
     """What identifies a prefetch slot: this process's connections, the variables read, the pull dtype."""
     leaves, treedef = _leaves(tree)
-    variables = [v for v in leaves if isinstance(v, VariableOps)]
-    shards = [shard for v in variables for shard, _ in v.shards()]
+    shards = [shard for v in leaves if isinstance(v, VariableOps) for shard, _ in v.shards()]
     conns = _connections_of(shards) if shards else None
-    return (id(conns), treedef, tuple((v.name, v.shape) for v in variables), None if td is None else td.str)
+    return (id(conns), treedef, tuple((s.name, s.shape) for s in shards), None if td is None else td.str)
 
 
 def _refuse_prefetch_in_sync_steps() -> None:
