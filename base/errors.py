@@ -27,6 +27,7 @@ __all__ = [
     "DTypeMismatchError",
     "InvalidRequestError",
     "PayloadTooLargeError",
+    "ServerBusyError",
     "AuthenticationError",
     "StaleFunctionError",
     "OutOfRangeError",
@@ -167,6 +168,14 @@ class PayloadTooLargeError(JaxdistError, ValueError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
     reason = "PAYLOAD_TOO_LARGE"
+
+
+class ServerBusyError(JaxdistError):
+    """A server refused a call because that method already has as many calls in flight as it
+    admits (its admission cap). Nothing was done: the call may be made again later."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "SERVER_BUSY"
 
 
 class AuthenticationError(JaxdistError, PermissionError):

@@ -373,15 +373,27 @@ def noop_rate(c: ScaleCluster, n: int, budget_s: float) -> tuple[float, int]:
 
 
 def measure_noop(c: ScaleCluster) -> None:
+    sizes = [int(x) for x in str(c.args.noop_closures).split(",") if int(x) > 0] or [max(5000, 10 * c.n)]
+    for i, n in enumerate(sizes):
+        measure_noop_size(c, n, warm=i == 0)
+
+
+def measure_noop_size(c: ScaleCluster, n: int, warm: bool) -> None:
     a = c.args
-    n = a.noop_closures or max(5000, 10 * c.n)
-    noop_rate(c, max(c.n, n // 5), a.noop_budget_s)  # warm: every worker has the function cached
+    if warm:
+        noop_rate(c, max(c.n, n // 5), a.noop_budget_s)  # warm: every worker has the function cached
     f0 = failures(c)
-    rates, cpus, switches, counts = [], [], [], []
+    rates, cpus, switches, counts, batches, host_us, coord_us = [], [], [], [], [], [], []
     for _ in range(a.repeats):
         cs0 = context_switches()
+        d0 = c.coord.dispatch_counters()
+        h0 = sum(proc_stats(h.pid)["cpu_s"] for h in c.hosts)
         with CpuMeter() as m:
             rate, ran = noop_rate(c, n, a.noop_budget_s)
+        host_us.append(1e6 * (sum(proc_stats(h.pid)["cpu_s"] for h in c.hosts) - h0) / ran)
+        coord_us.append(1e4 * m.percent * (ran / rate) / ran)
+        d1 = c.coord.dispatch_counters()
+        batches.append((d1["closures_sent"] - d0["closures_sent"]) / max(1, d1["run_calls"] - d0["run_calls"]))
         rates.append(rate)
         counts.append(ran)
         switches.append((context_switches() - cs0) / ran)
@@ -392,6 +404,9 @@ def measure_noop(c: ScaleCluster) -> None:
          median=round(statistics.median(rates), 1), runs=[round(r, 1) for r in rates],
          coordinator_cpu_percent=round(statistics.median(cpus), 1), coordinator_rss_mb=st["rss_mb"],
          coordinator_context_switches_per_closure=round(statistics.median(switches), 1),
+         closures_per_call=[round(b, 2) for b in batches],
+         coordinator_cpu_us_per_closure=round(statistics.median(coord_us), 1),
+         hosts_cpu_us_per_closure=round(statistics.median(host_us), 1),
          coordinator_threads=st["threads"], workers_that_ran_closures=sum(d > 0 for d in done),
          false_failures=failures(c) - f0)
 
@@ -414,7 +429,11 @@ def measure_pull(c: ScaleCluster) -> None:
     try:
         if a.pull_connect == "closures":
             c.coord.create_per_worker_dataset(_make_connect_fn(small, connected))
-            wait_until(lambda: int(connected.numpy()) >= c.healthy(), a.phase_timeout, "every worker connected", 0.1)
+            try:
+                wait_until(lambda: int(connected.numpy()) >= c.healthy(), a.phase_timeout, "every worker connected", 0.1)
+            except TimeoutError as e:
+                raise TimeoutError(f"{e} ({int(connected.numpy())} of {c.healthy()} healthy workers connected, "
+                                   f"dispatch {c.coord.dispatch_counters()})") from None
             n_connected = int(connected.numpy())
         else:
             helper = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--pull-helper", c.cluster.address("ps:0"),
@@ -708,7 +727,8 @@ def run_size(n: int, args: argparse.Namespace) -> None:
                     profiled(args, n, "idle", args.idle_seconds, c.hosts[0].pid, "host"):
                 measure_idle(c)
         if "noop" in args.measure:
-            with profiled(args, n, "noop", args.profile_seconds):
+            with profiled(args, n, "noop", args.profile_seconds), \
+                    profiled(args, n, "noop", args.profile_seconds, c.hosts[0].pid, "host"):
                 measure_noop(c)
         if "pull" in args.measure:
             measure_pull(c)
@@ -740,7 +760,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--measure", default=",".join(MEASUREMENTS), help=f"subset of {','.join(MEASUREMENTS)}")
     ap.add_argument("--out", default=None, help="also append the JSON lines to this file (e.g. bench/results/scale.jsonl)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--noop-closures", type=int, default=0, help="closures per no-op run (default max(5000, 10 N))")
+    ap.add_argument("--noop-closures", default="0",
+                    help="closures per no-op run (default max(5000, 10 N)); a comma-separated list measures each size "
+                         "in turn (one noop record each; the warm-up runs before the first only)")
     ap.add_argument("--closures-per-rpc", type=int, default=16)
     ap.add_argument("--idle-seconds", type=float, default=10.0)
     ap.add_argument("--failure-mode", choices=("kill", "stop"), default="kill",

@@ -159,3 +159,13 @@ __all__ = [
     "push_pull",
     "steps_per_execution",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # jaxdist.SidecarEvaluator (TF's name for it) evaluates Keras models: it lives in jaxdist.keras, whose
+    # import needs the keras extra and selects Keras's JAX backend, so it is imported only when asked for.
+    if name == "SidecarEvaluator":
+        from jaxdist.keras.sidecar import SidecarEvaluator
+
+        return SidecarEvaluator
+    raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")

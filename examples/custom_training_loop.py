@@ -54,7 +54,7 @@ def parse_args() -> argparse.Namespace:
 ARGS = parse_args()
 if ARGS.devices:
     # Must be set before JAX starts.
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={ARGS.devices}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={ARGS.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jaxdist  # noqa: E402

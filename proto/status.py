@@ -27,6 +27,7 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
         E.DTypeMismatchError,
         E.InvalidRequestError,
         E.PayloadTooLargeError,
+        E.ServerBusyError,
         E.AuthenticationError,
         E.StaleFunctionError,
         E.WorkerRestartedError,

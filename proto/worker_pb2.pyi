@@ -86,9 +86,11 @@ class RunRequest(_message.Message):
     def __init__(self, calls: _Optional[_Iterable[_Union[ClosureCall, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RunResponse(_message.Message):
-    __slots__ = ("results", "incarnation")
+    __slots__ = ("results", "incarnation", "run_s")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RUN_S_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[ClosureResult]
     incarnation: str
-    def __init__(self, results: _Optional[_Iterable[_Union[ClosureResult, _Mapping]]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    run_s: float
+    def __init__(self, results: _Optional[_Iterable[_Union[ClosureResult, _Mapping]]] = ..., incarnation: _Optional[str] = ..., run_s: _Optional[float] = ...) -> None: ...

@@ -19,6 +19,7 @@ paths (:mod:`jaxdist.proto.ps_wire`), and so are the typed errors.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxdist.base.errors import StepBarrierTimeoutError
+from jaxdist.base.errors import ServerBusyError, StepBarrierTimeoutError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
 from jaxdist.transport import dataplane
@@ -49,6 +50,11 @@ _BASE_DEADLINE_S = 10.0
 _DP_RETRY_REFUSED_S = (1.0, 30.0)
 _DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
+#: Finding the data plane's port (one GetStatus) when the PS answers "busy" (its liveness lane
+#: admits 64 GetStatus at once; 200-1,000 workers starting their first closures together ask
+#: more, issue 18): asked again after a jittered wait, doubling from the first to the second
+#: figure, for at most the third (seconds); then this call goes over gRPC and the next one asks.
+_DISCOVERY_BUSY_S = (0.01, 0.2, 10.0)
 
 
 #: How long a pull may wait at the step barrier (synchronous / bounded-stale training) in all,
@@ -158,13 +164,31 @@ class PSClient(ServiceClient):
             return None  # backing off: this call goes over gRPC
         with self._dp_lock:
             if self._dp is None and self._dp_host is not None:
-                port = self.status().data_port  # a PS that cannot be reached raises its typed error here
+                port = self._discover_port()  # a PS that cannot be reached raises its typed error here
+                if port is None:
+                    return None  # the PS stayed busy: gRPC for this call, the next one asks again
                 if port:
                     self._dp = dataplane.DataPlaneClient(self._dp_host, port, self.credentials,
                                                          shared_memory=self._shared_memory)
                 else:
                     self._dp_host = None  # this PS serves no data plane: gRPC only
             return self._dp
+
+    def _discover_port(self) -> int | None:
+        """The PS's data port from GetStatus, asked again while the PS answers busy (None: still busy)."""
+        first, most, total = _DISCOVERY_BUSY_S
+        give_up = time.monotonic() + total
+        wait = first
+        while True:
+            try:
+                return self.status().data_port
+            except ServerBusyError:
+                if time.monotonic() + wait > give_up:
+                    logger.info("%s: busy for %.0fs while this client looked up its data plane; this call goes "
+                                "over gRPC", self.task, total)
+                    return None
+                time.sleep(wait * random.uniform(0.5, 1.5))  # jittered: the refused callers spread out
+                wait = min(most, wait * 2)
 
     def _data_plane_call(
         self, method: int, header: bytes, arrays: Sequence[np.ndarray], timeout: float,

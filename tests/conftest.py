@@ -13,6 +13,12 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+#: Fake CPU devices of one process meet in XLA's in-process collectives, which abort the process when
+#: a device's thread is 40 s late (XLA's default): on 2 cores shared with another CPU-heavy job an
+#: 8-device step can be that late. Every subprocess inherits these; tests add their device count.
+XLA_TEST_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
+
 #: This run's own temporary directory (inherited by every subprocess through TMPDIR): what a test
 #: leaves in it is found by the module check below without seeing a concurrent run's files, and it
 #: is removed when the run passes (kept, and named, when it fails).

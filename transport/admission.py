@@ -302,7 +302,7 @@ class Gate(grpc.ServerInterceptor):
         if why == "unauthenticated":
             exc: E.JaxdistError = E.AuthenticationError("missing or wrong auth token; set JAXDIST_TOKEN to the cluster's token")
         else:
-            exc = E.RemoteError(f"{name}: {cap} calls already in flight; retry later", code=grpc.StatusCode.RESOURCE_EXHAUSTED)
+            exc = E.ServerBusyError(f"{name}: {cap} calls already in flight; retry later")
         observe, error = self._metrics.timer(name) if self._metrics is not None else (None, None)
 
         def reject(requests: Iterator[Any], context: grpc.ServicerContext) -> None:

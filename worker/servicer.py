@@ -159,6 +159,7 @@ class WorkerServicer:
         with self._run_lock:
             self.stats["bytes_in"] += req.ByteSize()
             failed = False
+            t0 = time.perf_counter()
             for call in req.calls:
                 result = resp.results.add(closure_id=call.closure_id)
                 if failed:
@@ -166,6 +167,8 @@ class WorkerServicer:
                     continue
                 self._run_one(call, result)
                 failed = result.status != worker_pb2.CLOSURE_OK
+            # How long closures take here: the coordinator sizes its batches by it.
+            resp.run_s = time.perf_counter() - t0
             self.stats["bytes_out"] += resp.ByteSize()
         return resp
 

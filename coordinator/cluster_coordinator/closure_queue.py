@@ -245,9 +245,11 @@ class ClosureQueue:
             return dropped
 
     # --------------------------------------------------------------- consumers
-    def take(self, worker: int, max_n: int = 1) -> list[Closure]:
+    def take(self, worker: int, max_n: int = 1, *, extend_to: int = 0, extend_fn: Callable[..., Any] | None = None) -> list[Closure]:
         """Up to ``max_n`` closures for ``worker``, at once: its tagged closure first (alone),
         else untagged ones; [] when there is none or dispatch is paused, held or stopped.
+        Then, up to ``extend_to`` in all, more untagged ones as long as the next one's function
+        is ``extend_fn`` (the dispatcher batches past a fair share only closures it knows are short).
         What is returned counts as running until it is marked finished, failed or re-queued."""
         with self._lock:
             if self._stopped or self._paused or self._held:
@@ -269,6 +271,9 @@ class ClosureQueue:
                 batch = [q.popleft()]
             else:
                 batch = [q.popleft() for _ in range(min(max_n, len(q)))]
+            if extend_fn is not None:
+                while len(batch) < extend_to and q and q[0].fn is extend_fn:
+                    batch.append(q.popleft())
             self._inflight += len(batch)
             if full:
                 self._room.notify(len(batch))
@@ -281,6 +286,14 @@ class ClosureQueue:
 
     def has_untagged(self) -> bool:
         return bool(self._queue)
+
+    def head(self) -> Closure | None:
+        """The untagged closure :meth:`take` would hand out next (None: none queued). A glance: it
+        stays queued, and another thread may take it first."""
+        try:
+            return self._queue[0]
+        except IndexError:
+            return None
 
     def _settle_check(self) -> None:
         # Under the lock. Waiters want: nothing running (pause, raise_if_error), nothing queued or

@@ -224,6 +224,11 @@ class Cluster:
                          "failures": s.failures, "left": s.left, "functions_shipped": w.functions_shipped})
         return rows
 
+    def dispatch_counters(self) -> dict[str, int]:
+        """See :meth:`ClusterCoordinator.dispatch_counters`."""
+        d = self.dispatcher
+        return {"run_calls": d.calls, "closures_sent": d.closures_sent, "probes": d.probes}
+
     def active_handles(self) -> list[WorkerHandle]:
         return [w for w in list(self._workers) if not self.failures.worker_status(w.index).left]
 
@@ -505,6 +510,11 @@ class ClusterCoordinator:
                                              failover_after=self.failover_after))
 
     # ------------------------------------------------------------------ views
+    def dispatch_counters(self) -> dict[str, int]:
+        """Calls made to workers so far (benchmarks): ``run_calls`` (RunClosures calls),
+        ``closures_sent`` (closures in them, retries included) and ``probes`` (liveness Heartbeats)."""
+        return self._cluster.dispatch_counters()
+
     @property
     def num_workers(self) -> int:
         """Worker slots (indices) this coordinator has handed out, including workers that left."""
@@ -649,7 +659,7 @@ class ClusterCoordinator:
             raise TypeError(f"schedule() wants a callable, got {type(fn).__name__}")
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
-        has_pw = _check_args((args, kwargs))
+        has_pw = _check_args((args, kwargs)) if args or kwargs else False
         self._queue.raise_if_error()
         closure = Closure(fn, args, kwargs, per_worker=has_pw)
         if has_pw:

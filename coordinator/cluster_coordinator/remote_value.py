@@ -47,39 +47,37 @@ class RemoteValue:
         self._value: Any = None
         self._has_value = False
         self._error: BaseException | None = None
-        self._event = threading.Event()
+        # Made by the first waiter (under _lock), not here: most values are settled before anyone
+        # waits, and a threading.Event (a Condition and its lock) was the largest part of the
+        # coordinator's cost per schedule() (issue 18's profiles).
+        self._event: threading.Event | None = None
         self._lock = threading.Lock()
 
     # ------------------------------------------------------- coordinator side
     # Like concurrent.futures.Future.set_result: called by the coordinator
     # (through Closure), never by users. The first call settles the value;
     # later calls are ignored, so a re-run closure cannot overwrite a result.
-    def set_result(self, payload: bytes) -> None:
-        """Settle with a pickled result (READY)."""
+    def _settle(self, status: RemoteValueStatus, payload: bytes | None, error: BaseException | None) -> None:
         with self._lock:
             if self._status is not RemoteValueStatus.NOT_READY:
                 return  # a result is set once (a re-executed closure cannot overwrite it)
             self._payload = payload
-            self._status = RemoteValueStatus.READY
-            self._event.set()
+            self._error = error
+            self._status = status  # last: done() reads it without the lock
+            if self._event is not None:
+                self._event.set()
+
+    def set_result(self, payload: bytes) -> None:
+        """Settle with a pickled result (READY)."""
+        self._settle(RemoteValueStatus.READY, payload, None)
 
     def set_error(self, error: BaseException) -> None:
         """Settle with the closure's error (READY; ``fetch()`` raises it)."""
-        with self._lock:
-            if self._status is not RemoteValueStatus.NOT_READY:
-                return
-            self._error = error
-            self._status = RemoteValueStatus.READY
-            self._event.set()
+        self._settle(RemoteValueStatus.READY, None, error)
 
     def set_aborted(self, error: BaseException) -> None:
         """Settle as cancelled before it ran (ABORTED; ``fetch()`` raises ``error``)."""
-        with self._lock:
-            if self._status is not RemoteValueStatus.NOT_READY:
-                return
-            self._error = error
-            self._status = RemoteValueStatus.ABORTED
-            self._event.set()
+        self._settle(RemoteValueStatus.ABORTED, None, error)
 
     # -------------------------------------------------------------- user side
     @property
@@ -87,10 +85,19 @@ class RemoteValue:
         return self._status
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._status is not RemoteValueStatus.NOT_READY
 
     def wait(self, timeout: float | None = None) -> bool:
-        return self._event.wait(timeout)
+        """Block until settled (at most ``timeout`` seconds); returns whether it is."""
+        if self._status is not RemoteValueStatus.NOT_READY:
+            return True
+        with self._lock:
+            if self._status is not RemoteValueStatus.NOT_READY:
+                return True
+            if self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        return event.wait(timeout)
 
     def fetch(self, timeout: float | None = None) -> Any:
         """Block until ready; return the value (numpy leaves) or raise the closure's error.
@@ -98,7 +105,7 @@ class RemoteValue:
         Raises:
             TimeoutError: ``timeout`` seconds passed first.
         """
-        if not self._event.wait(timeout):
+        if not self.wait(timeout):
             raise TimeoutError(f"closure {self.closure_id} not finished after {timeout}s")
         if self._error is not None:
             raise self._error

@@ -31,11 +31,20 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   every process feeds the same input and keeps its replicas' rows (TF's
   ``DATA`` auto-shard policy); the processes agree on Keras's random seed so
   initial weights match; ``predict`` gathers its outputs to every process.
-  ``*_on_batch`` raise NotImplementedError there; per-process input (TF's
-  ``FILE`` policy, each process reading its own files) has no API yet.
+  ``*_on_batch`` raise NotImplementedError there. Per-process input (TF's
+  ``FILE`` policy, each process reading its own files):
+  ``Batches(iterable, per_process=True)``.
 - default strategy: Keras unchanged (one device).
 - ``ParameterServerStrategy``: not supported yet; any Keras model use inside
   its scope raises ``NotImplementedError``.
+
+Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
+work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
+``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
+contract and event files (``pip install 'jaxdist[tensorboard]'``).
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch;
+:class:`jaxdist.keras.SidecarEvaluator` (also ``jaxdist.SidecarEvaluator``)
+evaluates each new checkpoint from an evaluator task.
 
 Input: numpy arrays, Python generators and ``keras.utils.PyDataset`` as Keras
 takes them, and any re-iterable of batches through :class:`jaxdist.keras.Batches`.
@@ -52,6 +61,7 @@ require_jax_backend()
 
 import keras  # noqa: E402,F401  (after the backend is chosen)
 
+from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
 from jaxdist.keras.data import Batches  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
@@ -59,12 +69,17 @@ from jaxdist.keras.distribution import (  # noqa: E402
     install_data_placement,
 )
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
+from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
+from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
 
 install_data_placement()
 
 __all__ = [
+    "BackupAndRestore",
     "Batches",
+    "SidecarEvaluator",
     "StrategyDistribution",
+    "TensorBoard",
     "UnsupportedStrategyDistribution",
     "distribution_for",
     "install_data_placement",

@@ -35,19 +35,32 @@ class Batches(DataAdapter):
             each time (a list, a class with ``__iter__``). A one-shot iterator
             or generator is refused: pass a generator to ``fit`` directly
             (Keras reads it once) or wrap its factory in an iterable.
+        per_process: TF's ``FILE`` auto-shard policy under a multi-process
+            ``MultiWorkerMirroredStrategy``: each process's ``iterable`` yields
+            only its own part of each global batch (e.g. read from its own
+            files), and the global batch is the processes' parts in process
+            order. Every process must yield the same number of batches, and the
+            parts of one batch the same number of rows on every process
+            (checked: ``ValueError`` otherwise). Parts whose rows divide by the
+            process's replica count stay on that process's replicas; others
+            (a short last batch) are gathered to every process and computed
+            whole, as a short global batch is. Default ``False``: every process
+            yields the same global batches (TF's ``DATA`` policy). In one
+            process the two are the same.
 
     Raises:
         TypeError: ``iterable`` is a one-shot iterator, or its batches are not tuples.
         ValueError: ``iterable`` yields no batch.
     """
 
-    def __init__(self, iterable: Iterable[Any]) -> None:
+    def __init__(self, iterable: Iterable[Any], per_process: bool = False) -> None:
         if isinstance(iterable, types.GeneratorType) or iter(iterable) is iterable:
             raise TypeError(
                 f"Batches needs a re-iterable (iter() gives a fresh pass each epoch); got a one-shot "
                 f"{type(iterable).__name__}. Pass a generator to fit() directly, or an object whose __iter__ makes one"
             )
         self._iterable = iterable
+        self.per_process = bool(per_process)
         first = next(iter(iterable), None)
         if first is None:
             raise ValueError("Batches: the iterable yields no batch")

@@ -49,6 +49,7 @@ from keras.distribution import DataParallel, DeviceMesh, TensorLayout
 from keras.src.distribution.distribution_lib import Distribution  # the base class (not exported by keras.distribution)
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras.data import Batches
 
 logger = logging.getLogger(__name__)
 
@@ -157,11 +158,49 @@ class StrategyDistribution(DataParallel):
         self._counts["split" if split else "replicated"] += 1
         return placed
 
-    def batches(self, host_batches: Iterator[Any]) -> Iterator[Any]:
-        """``place_batch`` over an iterator, one batch ahead (the transfer overlaps the previous step)."""
+    def place_local_batch(self, batch: Any) -> Any:
+        """This process's part of one global batch (TF's ``FILE`` policy) as global ``jax.Array``s.
+
+        The global batch is the processes' parts in process order. Parts whose rows divide by this
+        process's replica count are placed on its replicas only; otherwise (a short last batch) the
+        parts are gathered to every process and placed as :meth:`place_batch` places a global batch.
+
+        Raises:
+            ValueError: the parts differ in rows between processes (or between the batch's arrays).
+        """
+        if not self._multi_process:
+            return self.place_batch(batch)
+        from jax.experimental import multihost_utils
+
+        leaves = [a for a in keras.tree.flatten(batch) if a is not None]
+        rows = {int(np.shape(a)[0]) for a in leaves}
+        if len(rows) != 1:
+            raise ValueError(f"per-process batch: its arrays have different row counts {sorted(rows)}")
+        (local_rows,) = rows
+        everyone = np.asarray(multihost_utils.process_allgather(np.array([local_rows], np.int64))).ravel().tolist()
+        if len(set(everyone)) != 1:
+            raise ValueError(
+                f"per-process batches (Batches(per_process=True)) must have the same rows on every process: "
+                f"this batch has {everyone} rows on processes 0..{len(everyone) - 1}"
+            )
+        local_devices = sum(1 for d in self._devices if d.process_index == jax.process_index())
+        if local_rows % local_devices == 0:
+            placed = keras.tree.map_structure(
+                lambda a: None if a is None else jax.make_array_from_process_local_data(self._split, np.asarray(a)), batch)
+            self._counts["split"] += 1
+            return placed
+        whole = keras.tree.map_structure(
+            lambda a: None if a is None else np.asarray(multihost_utils.process_allgather(np.asarray(a), tiled=True)),
+            batch)
+        return self.place_batch(whole)
+
+    def batches(self, host_batches: Iterator[Any], per_process: bool = False) -> Iterator[Any]:
+        """``place_batch`` (``place_local_batch`` when ``per_process``) over an iterator, one batch ahead
+        (the transfer overlaps the previous step)."""
+        place = self.place_local_batch if per_process else self.place_batch
         ahead = None
         for batch in host_batches:
-            placed = self.place_batch(batch)
+            placed = place(batch)
             if ahead is not None:
                 yield ahead
             ahead = placed
@@ -278,7 +317,8 @@ def install_data_placement() -> None:
 
         def _get_distributed_iterator(self: Any, distribution: Any) -> Iterator[Any]:
             if isinstance(distribution, StrategyDistribution):
-                return distribution.batches(self.data_adapter.get_jax_iterator())
+                per_process = isinstance(self.data_adapter, Batches) and self.data_adapter.per_process
+                return distribution.batches(self.data_adapter.get_jax_iterator(), per_process=per_process)
             return original(self, distribution)
 
         JAXEpochIterator._get_distributed_iterator = _get_distributed_iterator

@@ -11,6 +11,8 @@ import pytest
 from conftest import CREDS, TOKEN, poll_for
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from jaxdist.base import errors as E
+from jaxdist.proto import status
 from jaxdist.transport import admission
 from jaxdist.transport.handlers import stream_in_handler, unary_handler
 from jaxdist.transport.server import Server
@@ -72,6 +74,8 @@ def test_a_method_admits_at_most_its_cap_and_releases_on_end(server: Server) -> 
         with pytest.raises(grpc.RpcError) as e:
             drain(iter([b"y"]), metadata=MD, timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Typed as "busy, retry later" (not a payload over the size limit): clients may ask again.
+        assert isinstance(status.error_from_rpc(e.value, "t:0", "ps"), E.ServerBusyError)
         assert ping(b"", metadata=MD, timeout=2) == b""  # another lane: answers at once
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status == 1
     finally:

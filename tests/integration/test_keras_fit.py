@@ -15,33 +15,32 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from device_checks import DeviceChecks, assert_passed, fake_devices_env
 
 # Not imported here: Keras picks its backend at import, and the pytest process must stay Keras-free.
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
 
 NUM_DEVICES = 8
-RESULT_PREFIX = "KERAS_CHECK_RESULTS="
 ROOT = Path(__file__).resolve().parents[2]
 
 # float32: 8 replicas sum the gradient in another order than one device does.
 ATOL = 2e-5
 
-CHECKS: dict[str, Callable[[], None]] = {}
+
+def _setup() -> None:
+    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
 
 
-def check(fn: Callable[[], None]) -> Callable[[], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS = DeviceChecks(__file__, "KERAS_CHECK_RESULTS=", devices=NUM_DEVICES, timeout=540, setup=_setup)
+check = CHECKS.check
 
 
 # ---------------------------------------------------------------------------------------
@@ -220,7 +219,7 @@ def _check_strategy(name: str) -> None:
 
 
 for _name in ("default", "one_device", "mirrored", "central_storage", "tpu", "multi_worker"):
-    CHECKS[f"strategy_{_name}_matches_single_device"] = (lambda n: lambda: _check_strategy(n))(_name)
+    CHECKS.add(f"strategy_{_name}_matches_single_device", (lambda n: lambda: _check_strategy(n))(_name))
 
 
 @check
@@ -415,59 +414,21 @@ def ps_scope_refuses_keras_models() -> None:
         assert keras.distribution.distribution() is None  # the scope left nothing behind
 
 
-def _run_checks(names: list[str]) -> dict[str, str | None]:
-    import jax
-
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-    assert jax.device_count() == NUM_DEVICES, jax.devices()
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            CHECKS[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - report every failure to the parent
-            results[name] = traceback.format_exc()
-    return results
-
-
 # ---------------------------------------------------------------------------------------
 # Tests (run in pytest; each asserts on one check of the shared subprocess)
 # ---------------------------------------------------------------------------------------
 
 
-def _subprocess_env(devices: int = NUM_DEVICES) -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TF_CONFIG", "JAXDIST_CLUSTER", "SLURM_JOB_ID", "KERAS_BACKEND"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def check_results() -> dict[str, str | None]:
-    proc = subprocess.run(
-        [sys.executable, __file__, *CHECKS],
-        env=_subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    raise AssertionError(f"check subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return CHECKS.collect()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.parametrize("name", CHECKS.names())
 def test_keras_on_8_fake_devices(name: str, check_results: dict[str, str | None]) -> None:
-    assert name in check_results, f"check {name} did not run"
-    err = check_results[name]
-    if err is not None:
-        pytest.fail(f"{name} failed in the 8-device subprocess:\n{err}", pytrace=False)
+    assert_passed(check_results, name)
 
 
 @pytest.mark.slow
@@ -475,7 +436,7 @@ def test_keras_on_8_fake_devices(name: str, check_results: dict[str, str | None]
 @pytest.mark.parametrize("strategy", ["default", "one_device", "mirrored", "central_storage", "tpu", "multi_worker"])
 def test_keras_fit_example(strategy: str) -> None:
     """examples/keras_fit.py trains digits to >= 90% test accuracy on each strategy (8 fake devices)."""
-    env = _subprocess_env()
+    env = fake_devices_env(NUM_DEVICES)
     if strategy == "tpu":
         env["JAXDIST_TPU_FAKE_DEVICES"] = "cpu"
     proc = subprocess.run(
@@ -497,7 +458,7 @@ def test_bench_keras_prints_its_figures() -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "bench_keras.py"), "--rounds", "1", "--epochs", "2", "--batch", "64",
          "--examples", "256"],
-        env=_subprocess_env(), capture_output=True, text=True, timeout=280, cwd=ROOT,
+        env=fake_devices_env(NUM_DEVICES), capture_output=True, text=True, timeout=280, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -512,7 +473,7 @@ def test_bench_keras_prints_its_figures() -> None:
 
 @pytest.mark.timeout(120)
 def test_import_refuses_another_keras_backend() -> None:
-    env = _subprocess_env(1)
+    env = fake_devices_env(1)
     env["KERAS_BACKEND"] = "tensorflow"
     code = (
         "import jaxdist.base.errors as E\n"
@@ -527,9 +488,9 @@ def test_import_refuses_another_keras_backend() -> None:
 @pytest.mark.timeout(120)
 def test_import_selects_the_jax_backend() -> None:
     code = "import jaxdist.keras, keras, os; print(keras.config.backend(), os.environ['KERAS_BACKEND'])"
-    proc = subprocess.run([sys.executable, "-c", code], env=_subprocess_env(1), capture_output=True, text=True, timeout=100)
+    proc = subprocess.run([sys.executable, "-c", code], env=fake_devices_env(1), capture_output=True, text=True, timeout=100)
     assert proc.stdout.split() == ["jax", "jax"], (proc.stdout, proc.stderr[-2000:])
 
 
 if __name__ == "__main__":
-    print(RESULT_PREFIX + json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))), flush=True)
+    CHECKS.main()

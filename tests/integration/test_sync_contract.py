@@ -8,26 +8,18 @@ line ``{check: null | traceback}``; each test asserts on one check.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from device_checks import DeviceChecks, assert_passed
 
 NUM_DEVICES = 8
-RESULT_PREFIX = "SYNC_CONTRACT_RESULTS="
 
-CHECKS: dict[str, Callable[[], None]] = {}
-
-
-def check(fn: Callable[[], None]) -> Callable[[], None]:
-    CHECKS[fn.__name__] = fn
-    return fn
+CHECKS = DeviceChecks(__file__, "SYNC_CONTRACT_RESULTS=", timeout=420)
+check = CHECKS.check
 
 
 # ---------------------------------------------------------------------------------------
@@ -679,47 +671,17 @@ def checkpoints_move_between_sync_strategies() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _run_checks(names: list[str]) -> dict[str, str | None]:
-    results: dict[str, str | None] = {}
-    for name in names:
-        try:
-            CHECKS[name]()
-            results[name] = None
-        except BaseException:  # noqa: BLE001 - report every failure to the parent
-            results[name] = traceback.format_exc()
-    return results
-
-
-def _subprocess_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={NUM_DEVICES}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    for k in ("JAXDIST_TPU_FAKE_DEVICES", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_WORKER_ID",
-              "TPU_ACCELERATOR_TYPE", "TPU_CHIPS_PER_HOST_BOUNDS", "TPU_HOST_BOUNDS"):
-        env.pop(k, None)
-    return env
-
-
 @pytest.fixture(scope="module")
 def check_results() -> dict[str, str | None]:
-    proc = subprocess.run(
-        [sys.executable, __file__, *CHECKS], env=_subprocess_env(), capture_output=True, text=True, timeout=420
-    )
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX) :])
-    raise AssertionError(f"check subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return CHECKS.collect()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
-@pytest.mark.parametrize("name", list(CHECKS))
+@pytest.mark.parametrize("name", CHECKS.names())
 def test_sync_contract_on_8_fake_devices(name: str, check_results: dict[str, str | None]) -> None:
-    assert name in check_results, f"check {name} did not run"
-    err = check_results[name]
-    if err is not None:
-        pytest.fail(f"{name} failed in the 8-device subprocess:\n{err}", pytrace=False)
+    assert_passed(check_results, name)
 
 
 if __name__ == "__main__":
-    print(RESULT_PREFIX + json.dumps(_run_checks(sys.argv[1:] or list(CHECKS))), flush=True)
+    CHECKS.main()

@@ -67,6 +67,21 @@ def _child(mode: str, out: str) -> None:
         history = model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=3, validation_data=(x[:50], y[:50]), verbose=0)
         ev = model.evaluate(x, y, batch_size=24, return_dict=True, verbose=0)
         pred = model.predict(x, batch_size=GLOBAL_BATCH, verbose=0)
+    # 3. TF's FILE policy: each process feeds only its half of every global batch (Batches(per_process=True));
+    # the reference feeds the whole global batches. The last global batch of 4 rows is 2 per process (not
+    # divisible by a process's 4 replicas): gathered and computed whole.
+    global_batches = [(x[i:i + GLOBAL_BATCH], y[i:i + GLOBAL_BATCH]) for i in range(0, NUM_EXAMPLES, GLOBAL_BATCH)]
+    if strategy is not None:
+        me = jax.process_index()
+        feed = [tuple(a[me * (len(a) // 2):(me + 1) * (len(a) // 2)] for a in b) for b in global_batches]
+    else:
+        feed = global_batches
+    keras.utils.set_random_seed(11)
+    with scope():
+        per_process_model = build()
+        per_process_model.fit(jaxdist.keras.Batches(feed, per_process=strategy is not None), epochs=2, verbose=0)
+        per_process_eval = per_process_model.evaluate(jaxdist.keras.Batches(feed, per_process=strategy is not None),
+                                                      return_dict=True, verbose=0)
     if strategy is not None:
         try:
             model.train_on_batch(x[:32], y[:32])
@@ -82,6 +97,8 @@ def _child(mode: str, out: str) -> None:
         history=json.dumps(history.history),
         evaluate=json.dumps({k: float(v) for k, v in ev.items()}),
         predict=np.asarray(pred),
+        per_process_weights=np.concatenate([np.ravel(w) for w in per_process_model.get_weights()]),
+        per_process_evaluate=json.dumps({k: float(v) for k, v in per_process_eval.items()}),
     )
     print("KERAS_DONE", flush=True)
     if strategy is not None:
@@ -104,7 +121,7 @@ def _spawn(mode: str, out: Path, devices: int, tf_config: dict[str, Any] | None)
     for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_JOB_ID", "SLURM_PROCID", "KERAS_BACKEND",
               "JAXDIST_TPU_FAKE_DEVICES"):
         env.pop(k, None)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)
@@ -118,7 +135,8 @@ def _spawn(mode: str, out: Path, devices: int, tf_config: dict[str, Any] | None)
 def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) -> None:
     """2 processes x 4 devices: the same weights, history, evaluate and predict as Keras on one device
     (float32 tolerance), every process feeding the same arrays (TF's DATA policy), short last batches included;
-    without a seed the processes still start from the same weights."""
+    without a seed the processes still start from the same weights; each process feeding only its part of each
+    global batch (TF's FILE policy, Batches(per_process=True)) trains and evaluates as the global batches do."""
     import numpy as np
 
     cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
@@ -152,6 +170,11 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
         for k in h_ref:
             np.testing.assert_allclose(h_got[k], h_ref[k], atol=2e-5, rtol=1e-5, err_msg=f"worker {i} history {k}")
         e_ref, e_got = json.loads(str(ref["evaluate"])), json.loads(str(got["evaluate"]))
+        for k in e_ref:
+            assert abs(e_got[k] - e_ref[k]) < 2e-5, (i, k, e_got, e_ref)
+        np.testing.assert_allclose(got["per_process_weights"], ref["per_process_weights"], atol=2e-5, rtol=1e-5,
+                                   err_msg=f"worker {i} weights, per-process input")
+        e_ref, e_got = json.loads(str(ref["per_process_evaluate"])), json.loads(str(got["per_process_evaluate"]))
         for k in e_ref:
             assert abs(e_got[k] - e_ref[k]) < 2e-5, (i, k, e_got, e_ref)
     np.testing.assert_array_equal(w[0]["unseeded"], w[1]["unseeded"])

@@ -82,13 +82,20 @@ def test_host_process_registers_runs_closures_and_leaves_on_sigterm(ps_cluster: 
         assert static.proc is not None and static.proc.returncode == 0
 
 
+def _error_of(rv: jaxdist.RemoteValue) -> BaseException | None:
+    """The error a settled closure raises (None: not settled, or it succeeded)."""
+    if not rv.done():
+        return None
+    try:
+        rv.fetch(0)
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the finding
+        return e
+    return None
+
+
 @pytest.mark.slow
-@pytest.mark.scale  # opt-in (pytest -m scale): it fails in about half of full-suite runs, see below
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_cluster: jaxdist.LocalCluster) -> None:
-    # Known flaky inside the full suite (passes alone and with its module): the wait for "every
-    # victim holds one closure" depends on dispatch order (a victim that gets no closure before the
-    # queue runs dry never will). Kept out of the default run until that race is designed out.
     creds = Credentials(ps_cluster.token)
     with HostProcess(100, creds, env=HOST_ENV) as survivor_host, \
             HostProcess(100, creds, first_index=100, env=HOST_ENV) as victim_host:
@@ -96,7 +103,7 @@ def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_clus
         with strategy.scope():
             counter = jaxdist.create_variable(np.zeros((), np.int64), name="counter")
             held = jaxdist.create_variable(np.zeros((), np.int64), name="held")
-        # One closure per RunClosures call: each victim worker then holds exactly one closure when it dies.
+        # One closure per RunClosures call: a victim worker holds exactly the one closure it runs.
         coord = jaxdist.ClusterCoordinator(strategy, closures_per_rpc=1)
         try:
             poll_for(lambda: sum(r["healthy"] for r in coord.status()) == 200, 120, what="200 workers healthy")
@@ -113,9 +120,22 @@ def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_clus
 
             n = 2000
             rvs = [coord.schedule(step) for _ in range(n)]
-            # Every victim holds one closure; the survivors have run all the others.
-            poll_for(lambda: int(held.numpy()) == 100 and sum(rv.done() for rv in rvs) == n - 100, 120,
-                     interval=0.05, what="victims holding one closure each, the rest done")
+            # What is guaranteed (whatever the dispatch order): the survivors finish every closure that
+            # did not reach a victim, and a closure that reached a victim neither finishes nor moves
+            # until the kill. So the wait ends when the closures not done are exactly those counted
+            # in "held". How many victims hold one (k) is the dispatch order's to say (nearly always
+            # all 100: the first 200 closures go one to each idle worker); k >= 1 is what is asserted.
+            def settled() -> bool:
+                return sum(rv.done() for rv in rvs) + int(held.numpy()) >= n
+
+            poll_for(settled, 180, interval=0.05, what="every closure done or held by a victim")
+            errors = [e for e in map(_error_of, rvs) if e is not None]
+            assert not errors, f"{len(errors)} closures failed before the kill, the first with {errors[0]!r}"
+            # A healthy worker declared failed would have its closure re-run (counted both done and
+            # held): that is a false failure, which the bounds below do not excuse.
+            assert sum(r["failures"] for r in coord.status()) == 0, "a worker was declared failed before the kill"
+            k = n - sum(rv.done() for rv in rvs)
+            assert int(held.numpy()) == k >= 1
             assert int(counter.numpy()) == n
 
             killed_at = time.monotonic()
@@ -128,17 +148,17 @@ def test_sigkill_of_a_100_worker_host_is_detected_and_rerun_within_bound(ps_clus
             rerun_s = time.monotonic() - killed_at
 
             # The margin left under the bound (pytest -o log_cli=true --log-cli-level=INFO shows it).
-            logger.info("100 killed workers declared failed after %.3fs, their closures re-run after %.3fs",
-                        detected_s, rerun_s)
+            logger.info("%d victims held a closure; 100 killed workers declared failed after %.3fs, their closures "
+                        "re-run after %.3fs", k, detected_s, rerun_s)
             results = [rv.fetch() for rv in rvs]
             assert all(r < 100 for r in results)  # the held closures were re-run by survivors
             assert int(counter.numpy()) == n  # each closure's push applied exactly once
-            assert int(held.numpy()) == 100
+            assert int(held.numpy()) == k
             assert detected_s <= FAILURE_BOUND_S, f"100 killed workers declared failed after {detected_s:.2f}s"
             assert rerun_s <= FAILURE_BOUND_S, f"their closures re-run after {rerun_s:.2f}s"
 
             # The other host dies with its workers idle: no call in flight for a connection reset to
-            # fail, so only liveness checks (heartbeats today) can notice. Same bound.
+            # fail, so only liveness checks can notice. Same bound.
             killed_at = time.monotonic()
             survivor_host.kill()
             poll_for(lambda: not any(r["healthy"] for r in coord.status()), 60, interval=0.01,

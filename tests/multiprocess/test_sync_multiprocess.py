@@ -219,7 +219,7 @@ def _env(devices: int, tf_config: dict[str, Any] | None) -> dict[str, str]:
     env = dict(os.environ)
     for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
         env.pop(k, None)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     if tf_config is not None:
         env["TF_CONFIG"] = json.dumps(tf_config)

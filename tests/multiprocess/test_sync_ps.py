@@ -99,7 +99,7 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
     import jaxdist
 
     params0, x, y = _data()
-    with jaxdist.LocalCluster(num_workers=2, num_ps=2, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}) as cluster:
+    with jaxdist.LocalCluster(num_workers=2, num_ps=2, env={"XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"}) as cluster:
         strategy = jaxdist.ParameterServerStrategy(
             cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2)
         )
@@ -165,7 +165,7 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
             assert len(manifest["variables"]["params/w"]["shards"]) == 2 and manifest["num_ps"] == 2
             saved1 = jaxdist.checkpoint.load(ckpt1, with_optimizer_state=True)
 
-            env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+            env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
             proc = subprocess.run(
                 [sys.executable, __file__, "mirrored", ckpt1, str(tmp_path / "ckpt-2"), str(tmp_path / "mirrored.npz")],
                 env=env, capture_output=True, text=True, timeout=240,

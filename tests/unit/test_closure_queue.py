@@ -209,3 +209,39 @@ def test_dispatching_is_false_while_paused_held_or_stopped() -> None:
     assert q.dispatching
     q.stop()
     assert not q.dispatching
+
+
+def other() -> None:
+    return None
+
+
+def test_take_extends_a_batch_only_with_the_named_function() -> None:
+    q = ClosureQueue()
+    a = [Closure(noop) for _ in range(3)]
+    b = [Closure(other) for _ in range(2)]
+    last = Closure(noop)
+    for c in a + b + [last]:
+        q.put(c)
+    assert q.head() is a[0]
+    # One by fair share, then more only while the next closure is noop's, up to extend_to in all.
+    assert q.take(0, 1, extend_to=5, extend_fn=noop) == a
+    assert q.head() is b[0]
+    assert q.take(1, 1, extend_to=5, extend_fn=noop) == [b[0]]  # b[1] is not noop's
+    assert q.take(1, 1, extend_to=2, extend_fn=other) == [b[1]]  # the next is noop's, not other's
+    assert q.take(1, 1, extend_to=4, extend_fn=noop) == [last]  # nothing left to extend with
+    assert q.head() is None and q.inflight == 6
+    q.mark_finished(6)
+    assert q.done()
+
+
+def test_remote_value_wakes_a_waiter_made_before_it_settles() -> None:
+    c = Closure(noop)
+    rv = c.remote_value
+    assert not rv.done() and not rv.wait(0.01)
+    got: list[bool] = []
+    t = threading.Thread(target=lambda: got.append(rv.wait(30)))
+    t.start()
+    c.succeed(b"")
+    t.join(30)
+    assert got == [True] and rv.done() and rv.status is RemoteValueStatus.READY
+    assert rv.wait(0) and rv.fetch(0) is None
