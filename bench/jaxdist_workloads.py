@@ -169,7 +169,16 @@ def _mlp_dataset_fn(ctx: Any) -> Any:
         yield x, y
 
 
-def _make_train_step(params: Any, transfer_dtype: Any, pull_dtype: Any = None) -> Any:
+#: How the MLP step reads and updates the parameters (--mlp-mode):
+#: pull_push  pull, gradient, apply_gradients (the default; what TF's step does);
+#: prefetch   pull(prefetch_next=True): the next step's pull runs while this one computes and pushes
+#:            (full-duplex link: up and down at once); a step may miss its own previous gradients;
+#: fused      pull(prefetch_next=True) served by the last push_pull(prefetch_next=True): one round
+#:            trip per step (push up, then updated values down), no staleness of its own.
+MLP_MODES = ("pull_push", "prefetch", "fused")
+
+
+def _make_train_step(params: Any, transfer_dtype: Any, pull_dtype: Any = None, mode: str = "pull_push") -> Any:
     import jax
     import jax.numpy as jnp
 
@@ -185,15 +194,26 @@ def _make_train_step(params: Any, transfer_dtype: Any, pull_dtype: Any = None) -
 
     grad_fn = jax.jit(grads)
 
+    if mode not in MLP_MODES:
+        raise ValueError(f"mlp mode {mode!r} is not one of {MLP_MODES}")
+
     def train_step(it: Any) -> None:
         x, y = next(it)
-        jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params, dtype=pull_dtype), x, y))
+        if mode == "pull_push":
+            jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params, dtype=pull_dtype), x, y))
+        elif mode == "prefetch":
+            jaxdist.apply_gradients(params, grad_fn(jaxdist.pull(params, dtype=pull_dtype, prefetch_next=True), x, y))
+        else:
+            g = grad_fn(jaxdist.pull(params, dtype=pull_dtype, prefetch_next=True), x, y)
+            jaxdist.push_pull(params, g, dtype=pull_dtype, prefetch_next=True)
 
     return train_step
 
 
-def _make_phased_train_step(params: Any) -> Any:
-    """``_make_train_step`` (float32) timed phase by phase on the worker: (pull, grad, push) seconds."""
+def _make_phased_train_step(params: Any, mode: str = "pull_push") -> Any:
+    """``_make_train_step`` (float32) timed phase by phase on the worker: (pull, grad, push) seconds
+    (with ``mode`` fused, "push" is the push_pull round trip; with prefetch, "pull" is the wait for
+    the prefetched values)."""
     import jax
 
     import jaxdist
@@ -205,11 +225,14 @@ def _make_phased_train_step(params: Any) -> Any:
 
         x, y = next(it)
         t0 = _t.perf_counter()
-        p = jaxdist.pull(params)
+        p = jaxdist.pull(params, prefetch_next=mode != "pull_push")
         t1 = _t.perf_counter()
         g = jax.block_until_ready(grad_fn(p, x, y))
         t2 = _t.perf_counter()
-        jaxdist.apply_gradients(params, g)
+        if mode == "fused":
+            jaxdist.push_pull(params, g, prefetch_next=True)
+        else:
+            jaxdist.apply_gradients(params, g)
         return t1 - t0, t2 - t1, _t.perf_counter() - t2
 
     return train_step
@@ -318,7 +341,7 @@ class JaxdistBench:
         return list(rv.fetch())
 
     # -- (c) MLP
-    def mlp_setup(self, grad_dtype: str = "float32", pull_dtype: str = "float32") -> None:
+    def mlp_setup(self, grad_dtype: str = "float32", pull_dtype: str = "float32", mode: str = "pull_push") -> None:
         import optax
 
         import jaxdist
@@ -327,7 +350,8 @@ class JaxdistBench:
         with self.strategy.scope():
             params = jaxdist.create_variables(mlp_init(), name=self._name("mlp"), optimizer=optax.sgd(0.01))
         self._params = params
-        self._train_step = _make_train_step(params, transfer_dtype, _transfer_dtype(pull_dtype))
+        self._mode = mode
+        self._train_step = _make_train_step(params, transfer_dtype, _transfer_dtype(pull_dtype), mode)
         self._it = iter(self.coord.create_per_worker_dataset(_mlp_dataset_fn))
         for _ in range(2 * self.workers):  # warm: jit on every worker
             self.coord.schedule(self._train_step, args=(self._it,))
@@ -342,7 +366,7 @@ class JaxdistBench:
 
     def mlp_phases(self, steps: int) -> dict[str, Any]:
         """``steps`` phase-timed MLP steps (after ``mlp_setup``): steps/s and median ms per phase."""
-        step = _make_phased_train_step(self._params)
+        step = _make_phased_train_step(self._params, self._mode)
         for _ in range(2 * self.workers):  # warm: jit of the phased function on every worker
             self.coord.schedule(step, args=(self._it,))
         self.coord.join()
@@ -376,7 +400,8 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
 
 
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
-                grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False) -> None:
+                grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False,
+                mlp_mode: str = "pull_push") -> None:
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
     with JaxdistBench(workers=workers, ps=ps, given=given) as b:
@@ -397,15 +422,17 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
             if given:
                 emit(system="jaxdist", kind="transport", **b.transports())
         if "mlp" in workloads or "mlp_phases" in workloads:
-            b.mlp_setup(grad_dtype, pull_dtype)
+            b.mlp_setup(grad_dtype, pull_dtype, mlp_mode)
         if "mlp" in workloads:
             extra = {} if pull_dtype == "float32" else {"pull_dtype": pull_dtype}
+            if mlp_mode != "pull_push":
+                extra["mlp_mode"] = mlp_mode
             emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype, **extra,
                  **_runs(lambda: b.mlp_rate(mlp_steps), repeats, 2))
         if "mlp_phases" in workloads:
             runs = [b.mlp_phases(mlp_steps) for _ in range(repeats)]
             best = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]  # the median run by steps/s
-            emit(**common, workload="mlp_phase_ms", batch=BATCH, steps=mlp_steps, **best, runs=runs)
+            emit(**common, workload="mlp_phase_ms", batch=BATCH, steps=mlp_steps, mlp_mode=mlp_mode, **best, runs=runs)
             if given and "pull" not in workloads and "push" not in workloads:
                 emit(system="jaxdist", kind="transport", **b.transports())
 
@@ -451,6 +478,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype the MLP's gradients travel in (bfloat16 needs apply_gradients(transfer_dtype=))")
     ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype the MLP's parameters are pulled in (bfloat16: mixed precision, jaxdist.pull(dtype=))")
+    ap.add_argument("--mlp-mode", choices=MLP_MODES, default="pull_push",
+                    help="how the MLP step moves parameters: pull_push (default), prefetch (the next pull overlaps "
+                         "this step: jaxdist.pull(prefetch_next=True), values up to one own step stale) or fused "
+                         "(one push-then-pull round trip per step: jaxdist.push_pull)")
     ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
     ap.add_argument("--given-cluster", action="store_true",
                     help="coordinate the running cluster jaxdist.cluster_resolver.detect() finds (JAXDIST_CLUSTER + "
@@ -469,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
         jd = [w for w in workloads if w in JAXDIST_WORKLOADS or w in PROFILE_WORKLOADS]
         if jd:
             run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
-                        args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster)
+                        args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster, mlp_mode=args.mlp_mode)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

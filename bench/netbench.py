@@ -79,11 +79,18 @@ which includes the kernel's forwarding and other users' jobs), normalised per MB
 jaxdist's MLP step timed phase by phase inside the closures (``jaxdist_workloads.py --workload
 mlp_phases``). Lines ``"kind": "profile"``; CPU differences of small runs are within the 10 ms tick.
 
+--mlp-mode prefetch|fused (default pull_push, the same step as TF's) runs jaxdist's MLP with
+``jaxdist.pull(prefetch_next=True)`` (the next step's pull overlaps this step's compute and push on
+the full-duplex links; a step may miss its own previous gradients) or ``jaxdist.push_pull`` (one
+round trip per step); --grad-dtype/--pull-dtype bfloat16 send jaxdist's MLP gradients/parameters in
+bfloat16 (TF's stay float32). The config line records them.
+
 Every namespace, process and temporary file is removed on exit, Ctrl-C and SIGTERM; after a SIGKILL,
 ``--cleanup TAG`` removes what is left (the tag is in the ``"kind": "lab"`` line and on stderr).
 
 Usage: python bench/netbench.py [--rounds 3] [--rates 1gbit,5gbit] [--size-mb 64] [--mlp-steps 200]
        [--noop-closures 5000] [--tf-python PATH] [--out bench/results/netbench.jsonl] [--profile [RATE]]
+       [--mlp-mode pull_push|prefetch|fused] [--grad-dtype float32|bfloat16] [--pull-dtype float32|bfloat16]
 """
 
 from __future__ import annotations
@@ -760,7 +767,8 @@ class Runner:
                   "--noop-closures", str(a.noop_closures), "--size-mb", str(a.size_mb)]
         if system == "tf":
             return [self.tf_python or "", TF_SCRIPT, *common]
-        return [a.jaxdist_python, JAXDIST_SCRIPT, *common]
+        return [a.jaxdist_python, JAXDIST_SCRIPT, *common, "--mlp-mode", a.mlp_mode,
+                "--grad-dtype", a.grad_dtype, "--pull-dtype", a.pull_dtype]
 
     def run_system(self, lab: Lab, system: str, workload: str, repeats: int, tags: dict[str, Any],
                    measure: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -951,6 +959,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (default 64)")
     ap.add_argument("--link-mb", type=int, default=None, help="MB per bare-stream transfer (default --size-mb)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per coordinator run")
+    ap.add_argument("--mlp-mode", choices=("pull_push", "prefetch", "fused"), default="pull_push",
+                    help="jaxdist's MLP step (jaxdist_workloads.py --mlp-mode): pull_push (default, as TF's), prefetch "
+                         "(the next pull overlaps this step; up to one own step stale) or fused (push_pull)")
+    ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype jaxdist's MLP gradients travel in (TF's stay float32)")
+    ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype jaxdist's MLP parameters are pulled in (TF's stay float32)")
     ap.add_argument("--tag", default=None, help="namespace name prefix (1-9 of [a-z0-9]; default nb<random hex>)")
     ap.add_argument("--cleanup", default=None, metavar="TAG",
                     help="only remove the namespaces <TAG>-* (and kill what runs in them) left by a run killed with SIGKILL")
@@ -992,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
                  "tf_python": tf_python, "tf_version": tf_info if tf_python else None,
                  "jaxdist_python": args.jaxdist_python, "size_mb": args.size_mb, "mlp_steps": args.mlp_steps,
                  "noop_closures": args.noop_closures, "repeats_per_run": args.repeats_per_run,
+                 "jaxdist_mlp_mode": args.mlp_mode, "jaxdist_grad_dtype": args.grad_dtype,
+                 "jaxdist_pull_dtype": args.pull_dtype,
                  "latency": args.latency, "burst": args.burst,
                  "jaxdist_env": {} if args.allow_shm else {"JAXDIST_SHM": "0"},
                  "profile": args.profile, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -76,7 +76,7 @@ from jaxdist.sync import (
     replicated,
     scale_regularization_loss,
 )
-from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull
+from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull, push_pull
 from jaxdist.worker.context import current_sync_step, current_worker_index
 
 __version__ = "0.1.0"
@@ -156,6 +156,7 @@ __all__ = [
     "cluster_resolver",
     "errors",
     "pull",
+    "push_pull",
     "steps_per_execution",
 ]
 

@@ -36,6 +36,7 @@ from jaxdist.cluster_coordinator.ps_failover import ReplicaSet
 from jaxdist.ps_methods import PSStrategyMethods
 from jaxdist.sharded_variable import ShardedVariable
 from jaxdist.sync import context as sync_context
+from jaxdist.worker import prefetch
 
 if TYPE_CHECKING:
     from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
@@ -350,6 +351,7 @@ class ParameterServerStrategy(PSStrategyMethods):
         """Close connections to the PS tasks (does not stop them)."""
         if not self._closed:
             self._closed = True
+            prefetch.forget(self._conns)  # reads prefetched through these connections (pull(prefetch_next=True))
             self._conns.close()
             if self.replicas is not None:
                 self.replicas.close()

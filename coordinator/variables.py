@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import operator
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -30,6 +31,7 @@ from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
+from jaxdist.worker import prefetch
 from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "pull",
     "pull_specs",
     "apply_gradients",
+    "push_pull",
     "push_updates",
     "split_update",
 ]
@@ -286,7 +289,7 @@ def pull_arrays(
     return values
 
 
-def pull(tree: Any, dtype: Any = None) -> Any:
+def pull(tree: Any, dtype: Any = None, prefetch_next: bool = False) -> Any:
     """Read every variable in ``tree`` (any pytree); returns the same tree of numpy arrays.
 
     Non-variable leaves pass through. All PS tasks are read in parallel, one
@@ -299,10 +302,48 @@ def pull(tree: Any, dtype: Any = None) -> Any:
     Each version is rounded once on the PS, for all workers. Other variables
     arrive as stored. Cast the values back up inside your jitted function if
     the model should compute in float32.
+
+    ``prefetch_next`` (opt-in overlap, off by default): return the values
+    prefetched for this call on this worker when there are some, and start
+    reading ``tree`` in the background for the next such call, so that read
+    runs while this step computes and pushes. The values may then miss this
+    worker's previous step's gradients (a delay of at most one step; see
+    :mod:`jaxdist.worker.prefetch` for the exact guarantee and its age bound). Not
+    with synchronous or bounded-stale steps (ConfigurationError).
     """
+    td = _pull_dtype(dtype)
+    if not prefetch_next:
+        return _gather(tree, td, lambda flat, outs: pull_arrays(flat, outs, td))
+    return prefetch.take_and_refill(
+        _prefetch_key(tree, td), lambda: _gather(tree, td, lambda flat, outs: pull_arrays(flat, outs, td)),
+        _refuse_prefetch_in_sync_steps)
+
+
+def _prefetch_key(tree: Any, td: np.dtype | None) -> tuple[Any, ...]:
+    """What identifies a prefetch slot: this process's connections, the variables read, the pull dtype."""
+    leaves, treedef = _leaves(tree)
+    shards = [shard for v in leaves if isinstance(v, VariableOps) for shard, _ in v.shards()]
+    conns = _connections_of(shards) if shards else None
+    return (id(conns), treedef, tuple((s.name, s.shape) for s in shards), None if td is None else td.str)
+
+
+def _refuse_prefetch_in_sync_steps() -> None:
+    if current_sync_step() >= 0:
+        raise ConfigurationError(
+            "pull(prefetch_next=True) under synchronous or bounded-stale steps: the read is also the step "
+            "barrier there, which a prefetch would skip; pull without prefetch_next")
+
+
+def _pull_dtype(dtype: Any) -> np.dtype | None:
     td = None if dtype is None else np.dtype(dtype)
     if td is not None and td not in ps_wire.NARROW_FLOATS:
         raise ValueError(f"pull dtype must be bfloat16 or float16, got {td}")
+    return td
+
+
+def _gather(tree: Any, td: np.dtype | None, fetch: Any) -> Any:
+    """``tree`` with each variable leaf replaced by its value, read by ``fetch(shards, outs)`` (one value
+    per shard, in order; ``outs`` gives each shard's rows of its variable's preallocated full value)."""
     leaves, treedef = _leaves(tree)
     flat: list[Variable] = []
     outs: list[np.ndarray | None] = []
@@ -323,7 +364,7 @@ def pull(tree: Any, dtype: Any = None) -> Any:
         for shard, row in parts:
             flat.append(shard)
             outs.append(full[row:row + shard.shape[0]])
-    values = iter(pull_arrays(flat, outs, td))
+    values = iter(fetch(flat, outs))
     out: list[Any] = []
     full_of = iter(fulls)
     for leaf in leaves:
@@ -468,6 +509,87 @@ def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> N
         updates.extend(gradient_updates(v, g, td, broadcast=False))
     if updates:
         push_updates(updates)
+
+
+def push_pull(variables: Any, grads: Any, transfer_dtype: Any = None, dtype: Any = None, prefetch_next: bool = False) -> Any:
+    """Fused ``apply_gradients`` then ``pull``: one round trip per PS task (BytePS-style push-pull).
+
+    Pushes ``grads`` exactly as :func:`apply_gradients` does (same identity inside a closure, so a
+    re-run closure or a re-sent call never applies them twice: the PS answers a repeat with the
+    values as they are then) and returns the values of every variable in ``variables`` read on
+    each PS right after that PS applied its part (as :func:`pull` would return them; ``dtype``
+    as there). The PS tasks are called in parallel; a PS that gets no gradient is pulled from.
+    Values include the other workers' updates applied before the read, as a pull's do.
+
+    ``prefetch_next``: also keep the returned values for the next ``pull(variables, dtype=dtype,
+    prefetch_next=True)`` on this worker, which then returns them without a call (a training loop
+    of ``pull(prefetch_next=True)`` then ``push_pull(prefetch_next=True)`` makes one round trip
+    per step and computes on values that hold all of its own updates; see :mod:`jaxdist.worker.prefetch`).
+
+    Raises:
+        ConfigurationError: inside a closure while the PS runs synchronous or bounded-stale steps
+            (gradients are staged there, not applied: use ``pull`` and ``apply_gradients``).
+    """
+    started = time.monotonic()
+    td = None if transfer_dtype is None else np.dtype(transfer_dtype)
+    if td is not None and td not in ps_wire.NARROW_FLOATS:
+        raise ValueError(f"transfer_dtype must be bfloat16 or float16, got {td}")
+    pd = _pull_dtype(dtype)
+    vleaves, vdef = _leaves(variables)
+    gleaves = vdef.flatten_up_to(grads)
+    updates: list[ShardUpdate] = []
+    for v, g in zip(vleaves, gleaves):
+        if g is None or not isinstance(v, VariableOps) or not getattr(v, "trainable", True):
+            if g is not None and not isinstance(v, VariableOps):
+                raise TypeError(f"push_pull: leaf {v!r} is not a jaxdist Variable")
+            continue
+        updates.extend(gradient_updates(v, g, td, broadcast=False))
+    values = _gather(variables, pd, lambda flat, outs: _push_pull_arrays(updates, flat, outs, pd))
+    if prefetch_next:
+        prefetch.store(_prefetch_key(variables, pd), values, started)
+    return values
+
+
+def _push_pull_arrays(
+    updates: Sequence[ShardUpdate], flat: Sequence[Variable], outs: Sequence[np.ndarray | None], dtype: np.dtype | None
+) -> list[np.ndarray]:
+    """Push ``updates`` and read ``flat`` (shards), one PushPull per PS task that gets updates, a Pull
+    for the others, all in parallel; the values of ``flat`` in order."""
+    pushes: dict[int, list[Update]] = defaultdict(list)
+    for var, op, value, idx in updates:
+        pushes[var.ps_index].append(Update(var.name, Op(op), ps_wire.wire_value(value, var.dtype, op), idx))
+    reads: dict[int, list[int]] = defaultdict(list)
+    for i, v in enumerate(flat):
+        reads[v.ps_index].append(i)
+    if not set(pushes) <= set(reads):
+        raise ValueError("push_pull: a gradient for a variable that is not in `variables`")
+    everything = [var for var, *_ in updates] + list(flat)
+    conns = _connections_of(everything)
+    update_id = next_update_id(own_connections=any(v._conns is not None for v in everything)) if pushes else ""
+    contributor = current_contributor()
+    calls = {}
+    for ps, idxs in reads.items():
+        specs = [_pull_spec(flat[i], dtype) for i in idxs]
+        nbytes = sum(flat[i].size * flat[i].dtype.itemsize for i in idxs)
+        ps_outs = [outs[i] for i in idxs]
+        if ps in pushes:
+            calls[ps] = operator.methodcaller("push_pull", pushes[ps], specs, update_id=update_id, contributor=contributor,
+                                              timeout=2 * deadline_for(nbytes), out=ps_outs)
+        elif contributor >= 0:
+            calls[ps] = operator.methodcaller("pull_at_barrier", specs, contributor, timeout=deadline_for(nbytes), out=ps_outs)
+        else:
+            calls[ps] = operator.methodcaller("pull", specs, timeout=deadline_for(nbytes), out=ps_outs)
+    got = conns.fan_out(calls)
+    values: list[Any] = [None] * len(flat)
+    for ps, idxs in reads.items():
+        res = got[ps]
+        if ps in pushes:
+            res = res[1]
+        elif contributor >= 0:
+            res = res[0]
+        for i, (value, _version) in zip(idxs, res):
+            values[i] = value
+    return values
 
 
 def create_on_ps(specs: Sequence[tuple[int, CreateSpec]], conns: PSConnections) -> None:

@@ -111,16 +111,20 @@ class PulledTensor(_message.Message):
     def __init__(self, spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., not_modified: _Optional[bool] = ...) -> None: ...
 
 class PullHeader(_message.Message):
-    __slots__ = ("entries", "barrier_waiting", "synchronous", "step")
+    __slots__ = ("entries", "barrier_waiting", "synchronous", "step", "push", "has_push")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     BARRIER_WAITING_FIELD_NUMBER: _ClassVar[int]
     SYNCHRONOUS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
+    HAS_PUSH_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[PulledTensor]
     barrier_waiting: bool
     synchronous: bool
     step: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[PulledTensor, _Mapping]]] = ..., barrier_waiting: _Optional[bool] = ..., synchronous: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+    push: PushResponse
+    has_push: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[PulledTensor, _Mapping]]] = ..., barrier_waiting: _Optional[bool] = ..., synchronous: _Optional[bool] = ..., step: _Optional[int] = ..., push: _Optional[_Union[PushResponse, _Mapping]] = ..., has_push: _Optional[bool] = ...) -> None: ...
 
 class UpdateEntry(_message.Message):
     __slots__ = ("name", "op", "value", "has_value", "indices", "has_indices", "create_spec", "optimizer", "optimizer_digest", "initializer", "if_exists", "offset")
@@ -151,18 +155,20 @@ class UpdateEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., op: _Optional[_Union[UpdateOp, str]] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_value: _Optional[bool] = ..., indices: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., has_indices: _Optional[bool] = ..., create_spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., initializer: _Optional[bytes] = ..., if_exists: _Optional[_Union[IfExists, str]] = ..., offset: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("entries", "update_id", "contributor", "commit", "step")
+    __slots__ = ("entries", "update_id", "contributor", "commit", "step", "pull_after")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTOR_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PULL_AFTER_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[UpdateEntry]
     update_id: str
     contributor: int
     commit: bool
     step: int
-    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ..., contributor: _Optional[int] = ..., commit: _Optional[bool] = ..., step: _Optional[int] = ...) -> None: ...
+    pull_after: _containers.RepeatedCompositeFieldContainer[PullEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[UpdateEntry, _Mapping]]] = ..., update_id: _Optional[str] = ..., contributor: _Optional[int] = ..., commit: _Optional[bool] = ..., step: _Optional[int] = ..., pull_after: _Optional[_Iterable[_Union[PullEntry, _Mapping]]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
     __slots__ = ("versions", "duplicate", "staged", "step")

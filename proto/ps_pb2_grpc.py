@@ -45,6 +45,11 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.PushPull = channel.stream_stream(
+                '/jaxdist.ParameterServer/PushPull',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.FromString,
+                _registered_method=True)
         self.ListVariables = channel.unary_unary(
                 '/jaxdist.ParameterServer/ListVariables',
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.ListVariablesRequest.SerializeToString,
@@ -109,6 +114,15 @@ class ParameterServerServicer:
 
     def Push(self, request_iterator, context):
         """Request stream: PushHeader frame, then raw data frames. Response: PushResponse.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushPull(self, request_iterator, context):
+        """Fused push-then-pull (one round trip per step, BytePS-style). Request stream: PushHeader
+        frame (updates, and `pull_after`: what to read once they are applied), then raw data frames.
+        Response stream: PullHeader frame (its `push` holds the push's answer), then raw data frames.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -196,6 +210,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.PushResponse.SerializeToString,
+            ),
+            'PushPull': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushPull,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
             ),
             'ListVariables': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVariables,
@@ -302,6 +321,33 @@ class ParameterServer:
             '/jaxdist.ParameterServer/Push',
             jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushPull(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/jaxdist.ParameterServer/PushPull',
+            jaxdist_dot_proto_dot_ps__pb2.RawFrame.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.RawFrame.FromString,
             options,
             channel_credentials,
             insecure,

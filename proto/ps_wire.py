@@ -54,6 +54,8 @@ __all__ = [
     "pull_payload_specs",
     "pull_results",
     "encode_push",
+    "encode_push_pull",
+    "decode_pull_after",
     "encode_create",
     "push_payload_specs",
     "is_create",
@@ -298,13 +300,18 @@ def encode_pull(specs: Sequence[PullSpec], contributor: int = -1, barrier_wait_s
     req = ps_pb2.PullRequest(contributor=contributor + 1 if contributor >= 0 else 0,
                              barrier_wait_ms=int(barrier_wait_s * 1000) if contributor >= 0 else 0)
     for s in specs:
-        e = req.entries.add(name=s.name, known_version=s.known_version if s.known_version >= 0 else 0)
-        if s.as_dtype is not None:
-            e.as_dtype = codec.dtype_to_proto(s.as_dtype)
-        if s.indices is not None:
-            codec.tensor_to_proto(np.asarray(s.indices, dtype=np.int64), e.indices)
-            e.has_indices = True
+        _add_pull_entry(req.entries.add(), s)
     return req
+
+
+def _add_pull_entry(e: ps_pb2.PullEntry, s: PullSpec) -> None:
+    e.name = s.name
+    e.known_version = s.known_version if s.known_version >= 0 else 0
+    if s.as_dtype is not None:
+        e.as_dtype = codec.dtype_to_proto(s.as_dtype)
+    if s.indices is not None:
+        codec.tensor_to_proto(np.asarray(s.indices, dtype=np.int64), e.indices)
+        e.has_indices = True
 
 
 def decode_pull(req: ps_pb2.PullRequest, max_bytes: int) -> list[PullSpec]:
@@ -400,6 +407,33 @@ def encode_push(
     return header, arrays
 
 
+def encode_push_pull(
+    updates: Sequence[Update], pull_after: Sequence[PullSpec], update_id: str = "", contributor: int = -1,
+) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
+    """A fused push-then-pull (the ``PushPull`` call): :func:`encode_push`'s header and payload,
+    plus ``pull_after``, the variables the PS reads and sends back once the updates are applied.
+
+    The push keeps every rule of a plain push (its ``update_id`` is applied at most once; a
+    re-sent call is answered with the values as they are then, its push marked duplicate).
+    """
+    header, arrays = encode_push(updates, update_id, contributor=contributor)
+    for s in pull_after:
+        _add_pull_entry(header.pull_after.add(), s)
+    return header, arrays
+
+
+def decode_pull_after(header: ps_pb2.PushHeader, max_bytes: int) -> list[PullSpec]:
+    """The reads of a ``PushPull`` header (PS side), checked like a PullRequest's entries.
+
+    Raises:
+        InvalidRequestError: no reads, or a read with malformed indices or dtype.
+        PayloadTooLargeError: an inline index tensor over ``max_bytes``.
+    """
+    if not header.pull_after:
+        raise InvalidRequestError("PushPull names no variable to read after its push (pull_after is empty)")
+    return decode_pull(ps_pb2.PullRequest(entries=header.pull_after), max_bytes)
+
+
 def encode_create(specs: Sequence[CreateSpec]) -> tuple[ps_pb2.PushHeader, list[np.ndarray]]:
     """Creates travel as a push of CREATE entries: a value as payload, or an initializer (pickled) with the shape and dtype."""
     header = ps_pb2.PushHeader()
@@ -437,6 +471,8 @@ def push_payload_specs(header: ps_pb2.PushHeader, max_bytes: int) -> list[ArrayS
     if not header.entries:
         raise InvalidRequestError("PushHeader has no entries")
     create = is_create(header)
+    if create and header.pull_after:
+        raise InvalidRequestError("a push that creates variables cannot read any back (pull_after is for PushPull updates)")
     names: set[str] = set()
     specs = []
     for e in header.entries:

@@ -121,6 +121,7 @@ class PSClient(ServiceClient):
         ch = self.channel
         self._pull = ch.unary_stream(self._path("Pull"), request_serializer=ps_pb2.PullRequest.SerializeToString)
         self._push = ch.stream_unary(self._path("Push"), response_deserializer=ps_pb2.PushResponse.FromString)
+        self._push_pull = ch.stream_stream(self._path("PushPull"))
         self._replicate = ch.stream_unary(self._path("Replicate"), response_deserializer=ps_pb2.PushResponse.FromString)
         self._list = self._unary("ListVariables", ps_pb2.ListVariablesRequest, ps_pb2.ListVariablesResponse)
         self._delete = self._unary("DeleteVariables", ps_pb2.DeleteVariablesRequest, common_pb2.Empty)
@@ -328,6 +329,44 @@ class PSClient(ServiceClient):
         header, arrays = ps_wire.encode_push(updates, update_id)
         resp = self._send(header, arrays, timeout)
         return list(resp.versions), resp.duplicate
+
+    def push_pull(
+        self, updates: Sequence[Update], pull_after: Sequence[PullSpec], update_id: str = "", contributor: int = -1,
+        timeout: float | None = None, out: Sequence[np.ndarray | None] | None = None,
+    ) -> tuple[ps_pb2.PushResponse, list[tuple[np.ndarray | None, int]]]:
+        """Fused push-then-pull, one round trip: apply ``updates`` as :meth:`push` does (same
+        ``update_id`` dedupe: a re-sent call is answered ``duplicate`` and changes nothing), then
+        read ``pull_after``; returns the push's answer and ``(value, version)`` per read, as
+        :meth:`pull`. ``out``: per read, an array to receive the value in place.
+
+        Not for a worker of a PS running synchronous steps (the PS refuses it: ConfigurationError).
+        """
+        header, arrays = ps_wire.encode_push_pull(updates, pull_after, update_id, contributor)
+        timeout = timeout or 2 * deadline_for(sum(a.nbytes for a in arrays))
+        answer, values = self._push_pull_once(header, arrays, timeout, out)
+        return answer.push, ps_wire.pull_results(answer, values)
+
+    def _push_pull_once(
+        self, header: ps_pb2.PushHeader, arrays: list[np.ndarray], timeout: float, out: Sequence[np.ndarray | None] | None
+    ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
+        if self._dp_host is not None:
+            got: dict[str, ps_pb2.PullHeader] = {}
+
+            def receive(body: bytes) -> list[np.ndarray]:
+                answer = got["header"] = ps_pb2.PullHeader.FromString(body)
+                return codec.destination_arrays(*ps_wire.pull_payload_specs(answer, out))
+
+            res = self._data_plane_call(dataplane.PUSH_PULL, header.SerializeToString(), arrays, timeout, receive)
+            if res is not None:
+                return got["header"], res[1]
+        with self._calling() as metadata:
+            stream = self._push_pull(self._frames(header, arrays), metadata=metadata, timeout=timeout)
+            answer = ps_pb2.PullHeader.FromString(next(stream))
+            reader = codec.FrameReader(*ps_wire.pull_payload_specs(answer, out))
+            for frame in stream:
+                reader.feed(frame)
+            values = reader.finish()
+        return answer, values
 
     def push_step(
         self, updates: Sequence[Update], update_id: str, contributor: int, commit: bool = False, step: int = -1,

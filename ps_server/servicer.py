@@ -14,7 +14,9 @@ that does the work and encodes the answer:
 Pull and Push are served over gRPC (:meth:`handlers`) and over the data plane
 (:meth:`data_plane_handlers`); both go through the same two halves
 (:meth:`_pull_snapshot`; :meth:`_push_specs` then :meth:`_push_apply`), so
-their semantics and errors are the same. Errors are answered by the
+their semantics and errors are the same. PushPull (a push, then a read of the
+variables it names, in one round trip) is a Push followed by the reading half of
+a Pull, on both transports. Errors are answered by the
 transports' guard (:mod:`jaxdist.transport.guard`).
 """
 
@@ -30,7 +32,7 @@ from contextlib import ExitStack, contextmanager
 import grpc
 import numpy as np
 
-from jaxdist.base.errors import InvalidRequestError
+from jaxdist.base.errors import ConfigurationError, InvalidRequestError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.ps_server import save_restore
 from jaxdist.ps_server.backup import ROLE_CODES, Replication
@@ -41,7 +43,7 @@ from jaxdist.ps_server.store import NewVariable, VariableStore
 from jaxdist.ps_server.sync_steps import SyncSteps
 from jaxdist.transport import dataplane
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
-from jaxdist.transport.handlers import stream_in_handler, stream_out_handler, unary_handler
+from jaxdist.transport.handlers import stream_in_handler, stream_out_handler, stream_stream_handler, unary_handler
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ class ParameterServerServicer:
         return {
             "Pull": stream_out_handler("Pull", ps_pb2.PullRequest.FromString, self.pull),
             "Push": stream_in_handler("Push", self.push),
+            "PushPull": stream_stream_handler("PushPull", self.push_pull),
             "ListVariables": unary_handler("ListVariables", ps_pb2.ListVariablesRequest.FromString, self.list_variables),
             "DeleteVariables": unary_handler("DeleteVariables", ps_pb2.DeleteVariablesRequest.FromString, self.delete_variables),
             "GetStatus": unary_handler("GetStatus", common_pb2.Empty.FromString, self.get_status),
@@ -90,8 +93,9 @@ class ParameterServerServicer:
         }
 
     def data_plane_handlers(self) -> dict[int, dataplane.Handler]:
-        """Pull and Push for :class:`jaxdist.transport.dataplane.DataPlaneServer` (same messages, raw framing)."""
-        return {dataplane.PULL: self._data_plane_pull, dataplane.PUSH: self._data_plane_push}
+        """Pull, Push and PushPull for :class:`jaxdist.transport.dataplane.DataPlaneServer` (same messages, raw framing)."""
+        return {dataplane.PULL: self._data_plane_pull, dataplane.PUSH: self._data_plane_push,
+                dataplane.PUSH_PULL: self._data_plane_push_pull}
 
     def close(self) -> None:
         """Close the channel to the backup, if any."""
@@ -112,11 +116,17 @@ class ParameterServerServicer:
             if not is_open:
                 yield ps_pb2.PullHeader(barrier_waiting=True, synchronous=True, step=step), []
                 return
+        with self._reading(specs) as (header, payload):
+            if step >= 0:
+                header.synchronous, header.step = True, step
+            yield header, payload
+
+    @contextmanager
+    def _reading(self, specs: list[ps_wire.PullSpec]) -> Iterator[tuple[ps_pb2.PullHeader, list[np.ndarray]]]:
+        """Read snapshots of ``specs`` as a pull's answer (valid while the context is open), counted as a pull."""
         with ExitStack() as stack:
             reads = [stack.enter_context(self.store.reading(s.name, s.indices, s.known_version, s.as_dtype)) for s in specs]
             header, payload = ps_wire.encode_pull_header(reads)
-            if step >= 0:
-                header.synchronous, header.step = True, step
             self.counters.add(pulls=1, bytes_pulled=sum(a.nbytes for a in payload))
             self.counters.add_variable_bytes("pulled", ((s.name, r.value.nbytes) for s, r in zip(specs, reads) if r.value is not None))
             yield header, payload
@@ -132,11 +142,32 @@ class ParameterServerServicer:
             yield resp.SerializeToString(), arrays
 
     # -------------------------------------------------------------------- push
-    def _push_specs(self, first: bytes) -> tuple[ps_pb2.PushHeader, list[ps_wire.ArraySpec]]:
-        """Parse and check a push's header; the specs of its payload arrays, in order."""
+    def _push_specs(self, first: bytes, fused: bool = False) -> tuple[ps_pb2.PushHeader, list[ps_wire.ArraySpec]]:
+        """Parse and check a push's header; the specs of its payload arrays, in order. ``fused``: the
+        header of a PushPull (its reads are checked by :meth:`_push_pull_specs`), else a plain push,
+        which must name nothing to read."""
         self.replication.check_primary(self.task)
         header = ps_pb2.PushHeader.FromString(first)
+        if header.pull_after and not fused:
+            raise InvalidRequestError("Push names variables to read after it (pull_after): that is a PushPull call")
         return header, ps_wire.push_payload_specs(header, self.store.max_variable_bytes)
+
+    def _push_pull_specs(self, first: bytes) -> tuple[ps_pb2.PushHeader, list[ps_wire.ArraySpec], list[ps_wire.PullSpec]]:
+        """:meth:`_push_specs` for a PushPull, plus its checked reads; all before any payload is read.
+
+        Raises:
+            ConfigurationError: a worker's gradients while this PS runs synchronous steps: they are
+                staged, not applied, so no updated value exists to answer with (use Pull + Push).
+        """
+        header, specs = self._push_specs(first, fused=True)
+        reads = ps_wire.decode_pull_after(header, self.store.max_variable_bytes)
+        if header.contributor > 0 and self.sync.enabled:
+            raise ConfigurationError(
+                f"{self.task} runs synchronous/bounded-stale steps: a worker's PushPull would stage its "
+                "gradients for the step, so there are no updated values to return; pull and push separately")
+        for r in reads:  # a read that would fail must fail before the push changes anything
+            self.store.check_readable(r.name, r.indices, r.as_dtype)
+        return header, specs, reads
 
     def _push_apply(self, header: ps_pb2.PushHeader, received: list[np.ndarray]) -> ps_pb2.PushResponse:
         """Apply a checked push (:meth:`_push_specs`); counted only once it was applied (or was a
@@ -174,6 +205,38 @@ class ParameterServerServicer:
         received = codec.destination_arrays(specs, aligned=True)
         payload.read_into(received)
         yield self._push_apply(msg, received).SerializeToString(), []
+
+    # --------------------------------------------------- fused push-then-pull
+    @contextmanager
+    def _push_pull_answer(
+        self, header: ps_pb2.PushHeader, received: list[np.ndarray], reads: list[ps_wire.PullSpec]
+    ) -> Iterator[tuple[ps_pb2.PullHeader, list[np.ndarray]]]:
+        """Apply the push exactly as Push does (dedupe, digest check, replication), then read
+        ``reads``: the answer header (with the push's answer in ``push``) and payload arrays."""
+        pushed = self._push_apply(header, received)
+        with self._reading(reads) as (answer, payload):
+            answer.push.CopyFrom(pushed)
+            answer.has_push = True
+            yield answer, payload
+
+    def push_pull(self, frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            first = next(frames)
+        except StopIteration:
+            raise InvalidRequestError("empty PushPull stream: the first frame must be a PushHeader") from None
+        header, specs, reads = self._push_pull_specs(first)
+        received = _read_frames(frames, specs, aligned=True)
+        with self._push_pull_answer(header, received, reads) as (answer, payload):
+            yield answer.SerializeToString()
+            yield from codec.iter_frames(payload)
+
+    @contextmanager
+    def _data_plane_push_pull(self, header: bytes, payload: dataplane.Payload) -> Iterator[tuple[bytes, list[np.ndarray]]]:
+        msg, specs, reads = self._push_pull_specs(header)
+        received = codec.destination_arrays(specs, aligned=True)
+        payload.read_into(received)
+        with self._push_pull_answer(msg, received, reads) as (answer, arrays):
+            yield answer.SerializeToString(), arrays
 
     def _new_variable(self, c: ps_wire.Created) -> NewVariable:
         """What the store creates for ``c``: its initializer unpickled, its optimizer from the cache."""

@@ -286,6 +286,23 @@ class VariableStore:
         var = self._get(name)
         return var.shape, var.dtype
 
+    def check_readable(self, name: str, indices: np.ndarray | None = None, as_dtype: np.dtype | None = None) -> None:
+        """Raise what :meth:`reading` of the same arguments would raise, reading nothing (a fused
+        push-then-pull checks its reads before its push changes anything).
+
+        Raises:
+            VariableNotFoundError: no variable ``name``.
+            InvalidRequestError: malformed or out-of-range ``indices``; ``as_dtype`` not a narrower float.
+        """
+        var = self._get(name)
+        out_dtype = var.dtype if as_dtype is None else np.dtype(as_dtype)
+        if transfer_dtype(var.dtype, None, out_dtype) != out_dtype:
+            raise InvalidRequestError(
+                f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
+                f"not as {out_dtype}")
+        if indices is not None:
+            self._check_indices(var, indices)
+
     @contextmanager
     def frozen(self, names: Sequence[str] | None = None) -> Iterator[list[tuple[str, np.ndarray, Any, int]]]:
         """Hold every variable's lock (or those of ``names``): a consistent snapshot

@@ -19,7 +19,7 @@ from jaxdist.base import errors as E
 from jaxdist.proto import status
 from jaxdist.transport.guard import guard
 
-__all__ = ["stream_in_handler", "stream_out_handler", "unary_handler"]
+__all__ = ["stream_in_handler", "stream_out_handler", "stream_stream_handler", "unary_handler"]
 
 
 class _Serve(guard):
@@ -72,3 +72,13 @@ def stream_out_handler(method: str, parse: Callable[[bytes], Any], fn: Callable[
             yield from fn(parse(raw), context)
 
     return grpc.unary_stream_rpc_method_handler(handle)
+
+
+def stream_stream_handler(method: str, fn: Callable[[Iterator[bytes], grpc.ServicerContext], Iterator[bytes]]) -> grpc.RpcMethodHandler:
+    """Bidirectional-streaming handler over raw frames; ``fn`` yields raw frames."""
+
+    def handle(frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        with _Serve(method, context):
+            yield from fn(frames, context)
+
+    return grpc.stream_stream_rpc_method_handler(handle)

@@ -39,6 +39,7 @@ from jaxdist.transport.credentials import Credentials
 from jaxdist.transport.rpc import PLAINTEXT
 from jaxdist.worker import closure_args
 from jaxdist.worker import context as wctx
+from jaxdist.worker import prefetch
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +121,7 @@ class WorkerServicer:
     def close(self) -> None:
         wctx.register_service(id(self), None)
         if self._conns is not None:
+            prefetch.forget(self._conns)
             self._conns.close()
             self._conns = None
 
@@ -132,6 +134,7 @@ class WorkerServicer:
                 self._conns = PSConnections(ps_addresses, self.credentials)
                 self._cluster_json = req.cluster_json
                 if old is not None:
+                    prefetch.forget(old)
                     old.close()
             if req.coordinator_id != self._coordinator_id:
                 self._resources.clear()

@@ -25,6 +25,7 @@ __all__ = [
     "METHOD_NAMES",
     "PULL",
     "PUSH",
+    "PUSH_PULL",
     "REQUEST",
     "REQUEST_MAGIC",
     "RESPONSE",
@@ -72,7 +73,8 @@ RESPONSE = struct.Struct("<4sIIIQ")
 PULL = 1
 PUSH = 2
 SHM_ATTACH = 3  # served by DataPlaneServer itself, see the module docstring
-METHOD_NAMES = {PULL: "Pull", PUSH: "Push", SHM_ATTACH: "ShmAttach"}
+PUSH_PULL = 4  # fused push-then-pull: a Push's request, a Pull's answer
+METHOD_NAMES = {PULL: "Pull", PUSH: "Push", SHM_ATTACH: "ShmAttach", PUSH_PULL: "PushPull"}
 
 #: Largest token in a hello; also bounds a response's reason and a ShmAttach header (all short).
 MAX_TOKEN_BYTES = 4096
