@@ -33,6 +33,7 @@ code runs unchanged. See :func:`install_data_placement`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 import logging
@@ -291,7 +292,51 @@ def install_data_placement() -> None:
         for name in _MODEL_ENTRY_POINTS:
             setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name), name.endswith("_on_batch")))
         JAXTrainer.make_predict_function = _fetchable_predictions(JAXTrainer.make_predict_function)
+        for make, attribute in _STEP_FUNCTIONS.items():
+            setattr(JAXTrainer, make, _bounded_in_flight(getattr(JAXTrainer, make), attribute))
         _installed = True
+
+
+#: Keras's step-function factories and the attribute each sets.
+_STEP_FUNCTIONS = {
+    "make_train_function": "train_function",
+    "make_test_function": "test_function",
+    "make_predict_function": "predict_function",
+}
+
+#: Steps Keras's loop may dispatch before the oldest of them has finished. XLA's CPU client runs
+#: the replicas of one step on a shared thread pool and limits the computations in flight per
+#: device; when the loop runs far ahead (the device threads starved of CPU), a later computation
+#: can hold a device's slot that an earlier step's all-reduce needs, and the process deadlocks
+#: (reproduced: 2 of 6 fits of examples/keras_fit.py on 8 fake CPU devices beside 4 CPU hogs).
+#: Two steps ahead keeps the next step's dispatch overlapped with this one's compute.
+MAX_STEPS_IN_FLIGHT = 2
+
+
+def _bounded_in_flight(make: Any, attribute: str) -> Any:
+    """Under a StrategyDistribution, the step function Keras's loop calls waits for the step
+    ``MAX_STEPS_IN_FLIGHT`` calls back before returning (its outputs: the state is donated)."""
+
+    @functools.wraps(make)
+    def make_function(self: Any, force: bool = False) -> Any:
+        make(self, force)
+        inner = getattr(self, attribute)
+        if not isinstance(keras.distribution.distribution(), StrategyDistribution) or getattr(inner, "_jaxdist_bounded", False):
+            return inner
+        pending: collections.deque[Any] = collections.deque()
+
+        def step_function(state: Any, iterator: Any) -> Any:
+            outputs, new_state = inner(state, iterator)
+            pending.append(outputs)
+            if len(pending) > MAX_STEPS_IN_FLIGHT:
+                jax.block_until_ready(pending.popleft())
+            return outputs, new_state
+
+        step_function._jaxdist_bounded = True  # type: ignore[attr-defined]
+        setattr(self, attribute, step_function)
+        return step_function
+
+    return make_function
 
 
 def _fetchable_predictions(make: Any) -> Any:
