@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -38,6 +39,11 @@ __all__ = ["HEALTH_PREFIX", "RPC_LATENCY_BUCKETS", "Server"]
 
 
 #: Buckets of the RPC latency histogram, 50 us .. 30 s.
+logger = logging.getLogger(__name__)
+
+#: Seconds past ``grace`` that stop() waits for grpc to confirm the server stopped.
+_STOP_CONFIRM_S = 5.0
+
 RPC_LATENCY_BUCKETS = (5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -181,7 +187,12 @@ class Server:
             return
         self._stopped.set()
         self.health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+        # grpc sets this event from its serving thread. At interpreter exit (a strategy shut down by its
+        # atexit hook) that thread can already be dead: concurrent.futures refuses new work once its own
+        # exit hook ran, and a call arriving then kills the thread. An unbounded wait hung the process.
+        bound = (grace or 0.0) + _STOP_CONFIRM_S
+        if not self._server.stop(grace).wait(bound):
+            logger.warning("gRPC server on port %s: no stop confirmation within %.0f s; going on", self.port, bound)
         # Not waiting: a handler still running user code (a closure) must not hold stop() up;
         # idle lane threads exit now, busy ones when their call returns.
         self._gate.close()
