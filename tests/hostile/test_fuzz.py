@@ -822,7 +822,8 @@ def dp_generators() -> dict[str, Callable[[random.Random], DPCase]]:
         "hello_wrong_token": lambda rng: DPCase(hello_bytes(rng.choice([TOKEN + "x", TOKEN[:-1], name(rng), TOKEN.upper()])), True),
         "hello_empty_token": lambda rng: DPCase(hello_bytes(b""), True),
         "bad_request_magic": lambda rng: DPCase(REQUEST.pack(rng.choice([b"JXRS", b"JXB1", b"\0\0\0\0"]), DP_PULL, 0, 0)),
-        "unknown_method": lambda rng: DPCase(REQUEST.pack(REQUEST_MAGIC, rng.choice([0, 4, 5, 127, 255]), 0, 0)),
+        # Method ids the data plane does not serve (1-4: Pull, Push, ShmAttach, PushPull).
+        "unknown_method": lambda rng: DPCase(REQUEST.pack(REQUEST_MAGIC, rng.choice([0, 5, 6, 127, 255]), 0, 0)),
         "header_too_large": lambda rng: DPCase(REQUEST.pack(REQUEST_MAGIC, rng.choice([DP_PULL, DP_PUSH]), rng.choice([(64 << 20) + 1, 2**32 - 1]), 0)),
         "shm_attach_malformed_framing": lambda rng: DPCase(REQUEST.pack(REQUEST_MAGIC, DP_SHM_ATTACH, rng.choice([4097, 1 << 20]),
                                                                        rng.choice([0, 1]))),

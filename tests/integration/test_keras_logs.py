@@ -145,8 +145,17 @@ def standalone_evaluate_writes_and_closes_its_writers() -> None:
         val = _events(log_dir / "eval" / "validation")
         assert [s for s, _ in val["evaluation_loss_vs_iterations"]] == [4 * EPOCHS]
         np.testing.assert_allclose(val["evaluation_loss_vs_iterations"][0][1], result["loss"], rtol=1e-6)
-        # The writers' threads ended with the evaluation (nothing else would close them).
-        assert not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+        # The writers' threads ended with the evaluation (nothing else would close them). A closed writer's
+        # multiprocessing queue ends its feeder thread when the queue is collected: collect while waiting.
+        import gc
+
+        from jaxdist.testing import poll_for
+
+        def ended() -> bool:
+            gc.collect()
+            return not [t for t in set(threading.enumerate()) - before if t.is_alive()]
+
+        poll_for(ended, 30, what="the TensorBoard writers' threads to end")
 
 
 @check
