@@ -45,6 +45,7 @@ import numpy as np
 
 import keras
 
+from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras.distribution import StrategyDistribution
 
 logger = logging.getLogger(__name__)
@@ -148,6 +149,8 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._epoch, self._batches_done, self._since_save, self._skip = 0, 0, 0, 0
         self._resume_metrics = None
         latest = self._latest()
+        if isinstance(dist, StrategyDistribution) and dist.multi_process:
+            self._check_every_process_sees(latest)
         if latest is None:
             return
         model = self.model
@@ -166,6 +169,19 @@ class BackupAndRestore(keras.callbacks.Callback):
         if self._skip:
             self._skip_trained_batches(model)
         logger.info("resuming from %s: epoch %d, batch %d", self._path(stem), self._epoch, self._skip)
+
+    def _check_every_process_sees(self, latest: dict[str, Any] | None) -> None:
+        """Every process must resume from the same backup (process 0's): else their steps would differ
+        and the job would hang in its first collective."""
+        from jax.experimental import multihost_utils
+
+        serial = -1 if latest is None else int(latest["serial"])
+        seen = np.asarray(multihost_utils.process_allgather(np.array([serial], np.int64))).ravel().tolist()
+        if len(set(seen)) > 1:
+            raise ConfigurationError(
+                f"BackupAndRestore: the processes see different backups in {self.backup_dir!r} (serial per process, "
+                f"-1 for none: {seen}); backup_dir must be one directory every process reads (shared storage)"
+            )
 
     def _skip_trained_batches(self, model: Any) -> None:
         """Wrap the train function so its first calls read their batches without training them."""

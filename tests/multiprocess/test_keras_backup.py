@@ -128,12 +128,12 @@ def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupt
     script.write_text(SCRIPT)
     backup = tmp_path / "backup"
 
-    def run(kill_at: str) -> list[subprocess.CompletedProcess[str]]:
+    def run(kill_at: str, dirs: tuple[Path, Path] = (backup, backup)) -> list[subprocess.CompletedProcess[str]]:
         cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
         procs = []
         for i in range(2):
             env = dict(fake_devices_env(4), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
-            procs.append(subprocess.Popen([sys.executable, str(script), str(backup), "multi_worker", "1", kill_at],
+            procs.append(subprocess.Popen([sys.executable, str(script), str(dirs[i]), "multi_worker", "1", kill_at],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         done = []
         try:
@@ -151,6 +151,10 @@ def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupt
     assert killed[0].returncode == -signal.SIGKILL and "KILLING" in killed[0].stdout, killed[0].stderr[-3000:]
     assert killed[1].returncode != 0  # its peer died mid-step
     assert json.loads((backup / "latest.json").read_text())["batch"] == 4
+    # A backup_dir that is not shared (process 1 sees no backup) is refused on every process, not a hang.
+    unshared = run("none", (backup, tmp_path / "elsewhere"))
+    for r in unshared:
+        assert r.returncode != 0 and "must be one directory every process reads" in r.stderr, r.stderr[-3000:]
     again = run("none")
     outs = []
     for i, r in enumerate(again):
