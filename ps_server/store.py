@@ -286,6 +286,16 @@ class VariableStore:
         var = self._get(name)
         return var.shape, var.dtype
 
+    @staticmethod
+    def _read_dtype(var: _Variable, name: str, as_dtype: Any) -> np.dtype:
+        """The dtype a read of ``var`` as ``as_dtype`` returns: its own, or a narrower float than its own."""
+        out_dtype = var.dtype if as_dtype is None else np.dtype(as_dtype)
+        if transfer_dtype(var.dtype, None, out_dtype) != out_dtype:
+            raise InvalidRequestError(
+                f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
+                f"not as {out_dtype}")
+        return out_dtype
+
     def check_readable(self, name: str, indices: np.ndarray | None = None, as_dtype: np.dtype | None = None) -> None:
         """Raise what :meth:`reading` of the same arguments would raise, reading nothing (a fused
         push-then-pull checks its reads before its push changes anything).
@@ -295,11 +305,7 @@ class VariableStore:
             InvalidRequestError: malformed or out-of-range ``indices``; ``as_dtype`` not a narrower float.
         """
         var = self._get(name)
-        out_dtype = var.dtype if as_dtype is None else np.dtype(as_dtype)
-        if transfer_dtype(var.dtype, None, out_dtype) != out_dtype:
-            raise InvalidRequestError(
-                f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
-                f"not as {out_dtype}")
+        self._read_dtype(var, name, as_dtype)
         if indices is not None:
             self._check_indices(var, indices)
 
@@ -367,11 +373,7 @@ class VariableStore:
             InvalidRequestError: ``as_dtype`` is not a narrower float than the variable.
         """
         var = self._get(name)
-        out_dtype = var.dtype if as_dtype is None else np.dtype(as_dtype)
-        if transfer_dtype(var.dtype, None, out_dtype) != out_dtype:
-            raise InvalidRequestError(
-                f"variable {name!r} is {var.dtype}; it can be read as bfloat16 or float16 only when it is a wider float, "
-                f"not as {out_dtype}")
+        out_dtype = self._read_dtype(var, name, as_dtype)
         narrow = out_dtype != var.dtype
         # Never yield while holding the lock: the caller streams for a while and may
         # open several reads at once (lock order would then be the caller's).
