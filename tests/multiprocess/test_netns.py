@@ -180,7 +180,8 @@ class _Proc:
         self.proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], stdout=subprocess.PIPE, stderr=self._log_file,
                                      stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, text=True, env=env)
         self.lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumper = threading.Thread(target=self._pump, daemon=True)
+        self._pumper.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -205,6 +206,13 @@ class _Proc:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        # The pump reaches EOF once the process (and anything it left holding the pipe) is
+        # gone; the pipes are closed here, not left to the garbage collector's warning.
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self._pumper.join(timeout=30)
+        if self.proc.stdout is not None and not self._pumper.is_alive():
+            self.proc.stdout.close()
         self._log_file.close()
 
 
