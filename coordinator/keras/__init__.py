@@ -53,7 +53,8 @@ Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
 ``keras.callbacks.TensorBoard`` (which needs TensorFlow) with the same
 contract and event files (``pip install 'jaxdist[tensorboard]'``).
-:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch;
+:class:`jaxdist.keras.BackupAndRestore` resumes a killed run mid-epoch (on every
+strategy, parameter servers included);
 :class:`jaxdist.keras.ModelCheckpoint` is Keras's, writing from process 0 only
 (Keras's own two are refused in a multi-process ``fit``: every process would
 write the same files);

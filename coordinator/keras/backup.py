@@ -28,7 +28,19 @@ callback keeps Keras's constructor and adds what resuming at the batch needs:
 Synchronous strategies, ``MultiWorkerMirroredStrategy`` across processes
 included: process 0 writes the backups and every process reads them, so
 ``backup_dir`` must be a directory every process sees (shared storage).
-``ParameterServerStrategy`` raises ``NotImplementedError`` when ``fit`` starts.
+
+``ParameterServerStrategy``: the model's state lives on the parameter servers,
+so a backup is a :class:`jaxdist.Checkpoint` of the model's PS variables
+(optimizer state and step counter included) taken at a quiet point: ``fit``
+waits for every step scheduled so far to be applied and counted before the
+backup (:class:`jaxdist.keras.ps_fit.FitControl`), so the backup holds exactly
+the steps it names. A re-run (the coordinator script started again, against
+fresh or surviving parameter servers) restores those variables into the PS
+and skips the resumed epoch's trained steps by reading their batches on a
+worker. With one worker (or a ``dataset_fn`` whose batches do not depend on
+which worker reads them) and a deterministic model the re-run ends with the
+weights of an uninterrupted run; with several workers the steps are applied
+in the order they arrive, as in any asynchronous run.
 """
 
 from __future__ import annotations
@@ -46,7 +58,10 @@ import numpy as np
 import keras
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.checkpoint import Checkpoint
 from jaxdist.keras.distribution import StrategyDistribution
+from jaxdist.keras.ps_fit import FitControl
+from jaxdist.keras.ps_model import PSDistribution, PSModel, ps_model
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +70,7 @@ __all__ = ["BackupAndRestore"]
 _LATEST = "latest.json"
 
 
-class BackupAndRestore(keras.callbacks.Callback):
+class BackupAndRestore(keras.callbacks.Callback, FitControl):
     """Back up training state every epoch or every ``save_freq`` batches; resume from it at that batch.
 
     Args:
@@ -85,6 +100,7 @@ class BackupAndRestore(keras.callbacks.Callback):
         self._resume_metrics: list[np.ndarray] | None = None
         self._skip = 0
         self._skipped_call = False
+        self._ps: PSModel | None = None  # the model's PS state, under ParameterServerStrategy
 
     # -- files ------------------------------------------------------------------------------------
 
@@ -116,7 +132,13 @@ class BackupAndRestore(keras.callbacks.Callback):
         os.makedirs(directory, exist_ok=True)
         self._serial += 1
         stem = f"backup-{self._serial}"
-        model.save_weights(os.path.join(directory, f"{stem}.weights.h5"), overwrite=True)
+        if self._ps is not None:
+            # fit made this a quiet point: the PS holds exactly the steps trained so far.
+            ckpt = Checkpoint(self._ps.strategy)
+            ckpt.step = self._ps.steps_applied()
+            ckpt.save(os.path.join(directory, f"{stem}.ckpt"))
+        else:
+            model.save_weights(os.path.join(directory, f"{stem}.weights.h5"), overwrite=True)
         metrics = {f"m{i}": np.asarray(v.value) for i, v in enumerate(model.metrics_variables)}
         with open(os.path.join(directory, f"{stem}.metrics.npz"), "wb") as f:
             np.savez(f, **metrics)  # type: ignore[arg-type]
@@ -131,18 +153,24 @@ class BackupAndRestore(keras.callbacks.Callback):
         os.replace(tmp, os.path.join(directory, _LATEST))  # the backup exists from here on
         for name in os.listdir(directory):
             if name.startswith("backup-") and not name.startswith(f"{stem}."):
-                os.remove(os.path.join(directory, name))
+                old = os.path.join(directory, name)
+                if os.path.isdir(old):
+                    shutil.rmtree(old)
+                else:
+                    os.remove(old)
         self._since_save = 0
 
     # -- fit --------------------------------------------------------------------------------------
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         dist = keras.distribution.distribution()  # fit runs under the model's strategy's distribution
-        if dist is not None and not isinstance(dist, StrategyDistribution):
+        if dist is not None and not isinstance(dist, (StrategyDistribution, PSDistribution)):
             raise NotImplementedError(
-                "jaxdist.keras.BackupAndRestore supports the synchronous strategies; "
-                f"not yet {type(getattr(dist, 'strategy', dist)).__name__}"
+                "jaxdist.keras.BackupAndRestore supports jaxdist's strategies; "
+                f"not {type(getattr(dist, 'strategy', dist)).__name__}"
             )
+        # Under ParameterServerStrategy, fit made the model's PS state before on_train_begin.
+        self._ps = ps_model(self.model) if isinstance(dist, PSDistribution) else None
         # Every process of a multi-process strategy holds the same (replicated) state: process 0 writes the
         # backups, every process reads them (backup_dir must be one directory all of them see).
         self._writer = jax.process_index() == 0
@@ -159,16 +187,46 @@ class BackupAndRestore(keras.callbacks.Callback):
         if model.optimizer is not None and not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
         stem = latest["stem"]
-        model.load_weights(self._path(f"{stem}.weights.h5"))
-        with np.load(self._path(f"{stem}.metrics.npz")) as saved:
-            self._resume_metrics = [saved[f"m{i}"] for i in range(len(saved.files))]
+        if self._ps is not None:
+            self._restore_ps(self._ps, self._path(f"{stem}.ckpt"))
+        else:
+            model.load_weights(self._path(f"{stem}.weights.h5"))
         self._serial = int(latest["serial"])
         self._epoch, self._skip = int(latest["epoch"]), int(latest["batch"])
+        if self._skip:
+            # Only a mid-epoch backup's metrics are the resumed epoch's partial sums (at an epoch's end they may be
+            # the validation's, and a new epoch starts from the reset values anyway).
+            with np.load(self._path(f"{stem}.metrics.npz")) as saved:
+                self._resume_metrics = [saved[f"m{i}"] for i in range(len(saved.files))]
         # Keras's fit reads its first epoch from here after on_train_begin (its own callback sets it too).
         model._initial_epoch = self._epoch
-        if self._skip:
-            self._skip_trained_batches(model)
+        if self._skip and self._ps is None:
+            self._skip_trained_batches(model)  # read through the batch callbacks, which count them
+        elif self._skip:
+            # fit under ParameterServerStrategy asks ps_resume_step and starts the epoch there (no batch callbacks
+            # for the trained steps).
+            self._batches_done = self._skip
         logger.info("resuming from %s: epoch %d, batch %d", self._path(stem), self._epoch, self._skip)
+
+    def _restore_ps(self, pm: PSModel, path: str) -> None:
+        """Restore the model's PS variables (values, optimizer state, step counter) from backup ``path``."""
+        names = [v.name for v in pm.trainable + pm.non_trainable + [pm.iterations]]
+        try:
+            Checkpoint(pm.strategy).restore(path, variables=names)
+        except ConfigurationError as e:
+            raise ConfigurationError(f"BackupAndRestore: the backup in {self.backup_dir!r} is not of this model "
+                                     f"(same model, built the same way, as the interrupted run?): {e}") from e
+        pm.sync()  # the coordinator's Keras variables and optimizer.iterations follow
+
+    # -- what fit under ParameterServerStrategy asks (FitControl) ----------------------------------
+
+    def ps_resume_step(self) -> int:
+        return self._skip if self._ps is not None else 0
+
+    def ps_wants_quiet_point(self, epoch: int, steps_done: int) -> bool:
+        if self.save_freq == "epoch":
+            return False
+        return self._since_save + (steps_done - self._batches_done) >= int(self.save_freq)
 
     def _check_every_process_sees(self, latest: dict[str, Any] | None) -> None:
         """Every process must resume from the same backup (process 0's): else their steps would differ

@@ -54,11 +54,11 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
 from jaxdist.keras.data import DatasetCreator, call_dataset_fn
 from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
-from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, TrainSteps
+from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArrayBatches", "ShardedArrays", "route"]
+__all__ = ["ArrayBatches", "FitControl", "ShardedArrays", "route"]
 
 #: Closures kept in flight per worker: enough that a worker always has its next closures queued (it takes
 #: several per call), few enough that batch-level logs trail the scheduled steps by little.
@@ -129,6 +129,45 @@ class ShardedArrays:
             yield self.batch(part)
 
 
+class FitControl:
+    """A callback mixin whose two questions ``fit`` under ParameterServerStrategy asks (and only it).
+
+    Closures run asynchronously: when ``on_train_batch_end`` is called, the
+    steps just scheduled may not have been applied yet. A callback that needs
+    the PS state to be exactly the steps so far (a backup) asks for a *quiet
+    point*; a callback that restored a mid-epoch backup in ``on_train_begin``
+    says how many steps of the first epoch were already trained.
+    """
+
+    def ps_resume_step(self) -> int:
+        """Steps of the first epoch already trained (asked once, after ``on_train_begin``); 0: none."""
+        return 0
+
+    def ps_wants_quiet_point(self, epoch: int, steps_done: int) -> bool:
+        """Whether ``on_train_batch_end`` after ``steps_done`` steps of ``epoch`` needs every scheduled step
+        applied (and its metrics counted) first: ``fit`` then waits for them before calling it."""
+        return False
+
+
+def _resume_step(callbacks: Any, steps_per_epoch: int) -> int:
+    asked = {cb.ps_resume_step() for cb in callbacks if isinstance(cb, FitControl)} - {0}
+    if len(asked) > 1:
+        raise ConfigurationError(f"fit: callbacks resume the first epoch at different steps {sorted(asked)}")
+    step = asked.pop() if asked else 0
+    if not 0 <= step < steps_per_epoch:
+        raise ConfigurationError(f"fit: a callback resumes at step {step} of an epoch of {steps_per_epoch} steps "
+                                 "(steps_per_epoch changed since the backup?)")
+    return step
+
+
+def _refuse_coordinator_only_restores(callbacks: Any) -> None:
+    for cb in callbacks or ():
+        if type(cb) is keras.callbacks.BackupAndRestore:  # exactly Keras's: it restores the coordinator's copy only
+            raise ConfigurationError(
+                "keras.callbacks.BackupAndRestore restores the coordinator's copy of the weights, not the parameter "
+                "servers' variables and optimizer state: use jaxdist.keras.BackupAndRestore (same arguments)")
+
+
 def _is_arrays(x: Any) -> bool:
     leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
     return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "__array__") for a in leaves)
@@ -151,12 +190,17 @@ class _Sequence:
 
 
 class _Metrics:
-    """The sum of the closures' Keras metric states; Keras computes the logs from it."""
+    """The sum of the closures' Keras metric states; Keras computes the logs from it.
 
-    def __init__(self, model: Any, init: list[np.ndarray]) -> None:
+    The sum starts from ``start`` (default ``init``, the reset values): a resumed
+    epoch starts from the metric state its backup held.
+    """
+
+    def __init__(self, model: Any, init: list[np.ndarray], start: list[np.ndarray] | None = None) -> None:
         self.model = model
         self.init = init
-        self.total = [np.array(a, dtype=np.float64 if np.issubdtype(a.dtype, np.floating) else a.dtype) for a in init]
+        self.total = [np.array(a, dtype=np.float64 if np.issubdtype(a.dtype, np.floating) else a.dtype)
+                      for a in (init if start is None else start)]
         self.closures = 0
         self._logs: dict[str, Any] | None = None
 
@@ -276,6 +320,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         first_batch = None
     _refuse("class_weight", class_weight, None, "weight the samples (sample_weight)")
     _refuse("validation_split", validation_split, 0.0, "pass validation_data")
+    _refuse_coordinator_only_restores(callbacks)
     strategy = ps_strategy_of(model)
     coord = _coordinator(strategy)
     if first_batch is None:
@@ -298,18 +343,30 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                        epochs=epochs, steps=steps_per_epoch, model=model)
     model.stop_training = False
     cbs.on_train_begin()
+    # As Keras's fit: a callback (BackupAndRestore) may have moved the first epoch in on_train_begin.
+    initial_epoch = model._initial_epoch or initial_epoch
+    controls = [cb for cb in cbs.callbacks if isinstance(cb, FitControl)]
+    step = _resume_step(controls, steps_per_epoch)
+    if step:
+        # The resumed epoch's first steps were trained before the backup: their batches are read, not trained
+        # (with one worker, or batches that do not depend on which worker reads them, the data then goes on
+        # exactly as in an uninterrupted run).
+        coord.schedule(SkipBatches(step), args=(it,))
     training_logs: dict[str, Any] | None = None
     for epoch in range(initial_epoch, epochs):
         model.reset_metrics()
         cbs.on_epoch_begin(epoch)
-        metrics = _Metrics(model, spec.metric_init)
+        # Keras's metric variables as on_epoch_begin left them: the reset values, or a resumed epoch's partial sums.
+        metrics = _Metrics(model, spec.metric_init, start=[np.asarray(v.value) for v in model.metrics_variables])
         inflight = _InFlight(metrics, IN_FLIGHT_PER_WORKER * max(1, coord.active_workers))
-        step = 0
         while step < steps_per_epoch:
             k = min(spe, steps_per_epoch - step)
             cbs.on_train_batch_begin(step)
             inflight.add(coord.schedule(fns[k], args=(it,)))
             step += k
+            if any(c.ps_wants_quiet_point(epoch, step) for c in controls):
+                coord.join()
+                inflight.drain()
             cbs.on_train_batch_end(step - 1, metrics.logs())
             if model.stop_training:
                 break
@@ -323,6 +380,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
             epoch_logs.update({f"val_{k}": v for k, v in val.items()})
         cbs.on_epoch_end(epoch, epoch_logs)
         training_logs = epoch_logs
+        step = 0
         if model.stop_training:
             break
     cbs.on_train_end(logs=training_logs)

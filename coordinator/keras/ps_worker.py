@@ -43,7 +43,7 @@ from jaxdist.worker.context import current_worker_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "RepeatingDataset", "worker_model"]
+__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "SkipBatches", "RepeatingDataset", "worker_model"]
 
 
 class ModelSpec:
@@ -228,6 +228,23 @@ class TrainSteps:
 
     def __call__(self, batches: Iterator[Any]) -> list[np.ndarray]:
         return _metrics_out(train(self.spec, batches, self.steps))
+
+
+class SkipBatches:
+    """Read ``count`` batches of the worker's training data and train none (a resumed ``fit``'s steps already
+    trained before its backup: the data goes on where the interrupted run's did)."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"SkipBatches: count must be >= 1, got {count}")
+        self.count = int(count)
+        self.__name__ = f"keras_skip_x{count}"
+        self.__qualname__ = self.__name__
+
+    def __call__(self, batches: Iterator[Any]) -> int:
+        for _ in range(self.count):
+            next(batches)
+        return self.count
 
 
 class EvalSteps(StepsPerExecution):

@@ -28,9 +28,15 @@ SCRIPT = textwrap.dedent(
     import keras, jaxdist
 
     backup_dir, strategy_name, spe, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    cluster = None
+    if strategy_name == "ps":
+        # One worker: its closures run in order, so the asynchronous run is deterministic. The cluster is this
+        # script's: SIGKILLed, its tasks exit with it, and the re-run starts fresh parameter servers.
+        cluster = jaxdist.LocalCluster(num_workers=1, num_ps=2, log_dir=f"{backup_dir}-logs-{kill_at}").start()
     # One strategy for both runs (a multi-process one is made once, before any other JAX call).
     strategy = {"mirrored": jaxdist.MirroredStrategy, "default": jaxdist.get_strategy,
                 "multi_worker": lambda: jaxdist.MultiWorkerMirroredStrategy(init_timeout_s=60, peer_timeout_s=20),
+                "ps": lambda: jaxdist.ParameterServerStrategy(cluster.cluster_resolver()),
                 }[strategy_name]()
     EPOCHS, GBS = 3, 16          # 100 rows: 7 batches an epoch, the last one short
     rng = np.random.default_rng(0)
@@ -68,6 +74,10 @@ SCRIPT = textwrap.dedent(
     print("RESULT " + json.dumps({"resumed": resumed, "reference": {
         "weights": [w.tolist() for w in ref_model.get_weights()], "history": ref_history,
         "iterations": int(ref_model.optimizer.iterations.numpy())}}), flush=True)
+    if cluster is not None:
+        strategy.coordinator.shutdown()
+        strategy.close()
+        cluster.stop()
     """
 )
 
@@ -78,6 +88,12 @@ SCRIPT = textwrap.dedent(
     ("mirrored", 1, "1,4", 4),   # backups after 2 and 4 batches of epoch 1; killed after its 5th batch
     ("mirrored", 2, "1,5", 6),   # steps_per_execution=2: callbacks at batches 1, 3, 5; the backup of 6 comes first
     ("default", 1, "2,2", 2),    # killed after the 3rd batch of the last epoch; backup of 2
+    ("mirrored", 1, "1,0", 0),   # killed before epoch 1's first backup: resumes from epoch 0's end (fresh metrics)
+    # ParameterServerStrategy: the coordinator script (and its local cluster) SIGKILLed with closures in flight;
+    # the backups were taken at quiet points, the re-run restores fresh parameter servers from the last one.
+    ("ps", 1, "1,4", 4),
+    ("ps", 2, "1,5", 6),
+    ("ps", 1, "2,0", 0),
 ])
 def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
     tmp_path: Path, strategy: str, spe: int, kill_at: str, resumed_batch: int
