@@ -154,7 +154,7 @@ def _resume_step(callbacks: Any, steps_per_epoch: int) -> int:
     if len(asked) > 1:
         raise ConfigurationError(f"fit: callbacks resume the first epoch at different steps {sorted(asked)}")
     step = asked.pop() if asked else 0
-    if not 0 <= step < steps_per_epoch:
+    if not 0 <= step <= steps_per_epoch:  # all of them: killed between the last step's backup and the epoch's end
         raise ConfigurationError(f"fit: a callback resumes at step {step} of an epoch of {steps_per_epoch} steps "
                                  "(steps_per_epoch changed since the backup?)")
     return step

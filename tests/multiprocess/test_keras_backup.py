@@ -28,6 +28,7 @@ SCRIPT = textwrap.dedent(
     import keras, jaxdist
 
     backup_dir, strategy_name, spe, kill_at = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    save_freq = int(sys.argv[5])
     cluster = None
     if strategy_name == "ps":
         # One worker: its closures run in order, so the asynchronous run is deterministic. The cluster is this
@@ -64,7 +65,7 @@ SCRIPT = textwrap.dedent(
                 print("KILLING", self.epoch, batch, flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    callbacks = [jaxdist.keras.BackupAndRestore(backup_dir, save_freq=2)]
+    callbacks = [jaxdist.keras.BackupAndRestore(backup_dir, save_freq=save_freq)]
     if kill_at != "none":
         callbacks.append(Kill(*map(int, kill_at.split(","))))
     model, history = train(callbacks)
@@ -84,19 +85,22 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize(("strategy", "spe", "kill_at", "resumed_batch"), [
-    ("mirrored", 1, "1,4", 4),   # backups after 2 and 4 batches of epoch 1; killed after its 5th batch
-    ("mirrored", 2, "1,5", 6),   # steps_per_execution=2: callbacks at batches 1, 3, 5; the backup of 6 comes first
-    ("default", 1, "2,2", 2),    # killed after the 3rd batch of the last epoch; backup of 2
-    ("mirrored", 1, "1,0", 0),   # killed before epoch 1's first backup: resumes from epoch 0's end (fresh metrics)
+@pytest.mark.parametrize(("strategy", "spe", "save_freq", "kill_at", "resumed_batch"), [
+    ("mirrored", 1, 2, "1,4", 4),   # backups after 2 and 4 batches of epoch 1; killed after its 5th batch
+    ("mirrored", 2, 2, "1,5", 6),   # steps_per_execution=2: callbacks at batches 1, 3, 5; the backup of 6 comes first
+    ("default", 1, 2, "2,2", 2),    # killed after the 3rd batch of the last epoch; backup of 2
+    ("mirrored", 1, 2, "1,0", 0),   # killed before epoch 1's first backup: resumes from epoch 0's end (fresh metrics)
     # ParameterServerStrategy: the coordinator script (and its local cluster) SIGKILLed with closures in flight;
     # the backups were taken at quiet points, the re-run restores fresh parameter servers from the last one.
-    ("ps", 1, "1,4", 4),
-    ("ps", 2, "1,5", 6),
-    ("ps", 1, "2,0", 0),
+    ("ps", 1, 2, "1,4", 4),
+    ("ps", 2, 2, "1,5", 6),
+    ("ps", 1, 2, "2,0", 0),
+    # Killed after the last step's backup, before the epoch's end: the re-run trains no step of that epoch (every
+    # one was in the backup) and ends it.
+    ("ps", 1, 1, "1,6", 7),
 ])
 def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
-    tmp_path: Path, strategy: str, spe: int, kill_at: str, resumed_batch: int
+    tmp_path: Path, strategy: str, spe: int, save_freq: int, kill_at: str, resumed_batch: int
 ) -> None:
     import numpy as np
 
@@ -104,13 +108,13 @@ def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
     script.write_text(SCRIPT)
     backup = tmp_path / "backup"
     env = fake_devices_env(8)
-    killed = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), kill_at], env=env,
+    killed = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), kill_at, str(save_freq)], env=env,
                             capture_output=True, text=True, timeout=280)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert "KILLING" in killed.stdout
     latest = json.loads((backup / "latest.json").read_text())
     assert (latest["epoch"], latest["batch"]) == (int(kill_at.split(",")[0]), resumed_batch)
-    again = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), "none"], env=env,
+    again = subprocess.run([sys.executable, str(script), str(backup), strategy, str(spe), "none", str(save_freq)], env=env,
                            capture_output=True, text=True, timeout=280)
     assert again.returncode == 0, again.stderr[-3000:]
     out = json.loads(again.stdout.strip().splitlines()[-1].removeprefix("RESULT "))
@@ -149,7 +153,7 @@ def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupt
         procs = []
         for i in range(2):
             env = dict(fake_devices_env(4), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
-            procs.append(subprocess.Popen([sys.executable, str(script), str(dirs[i]), "multi_worker", "1", kill_at],
+            procs.append(subprocess.Popen([sys.executable, str(script), str(dirs[i]), "multi_worker", "1", kill_at, "2"],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         done = []
         try:
