@@ -37,7 +37,7 @@ from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "PSClient", "PullSpec", "Update", "deadline_for"]
+__all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "PSClient", "PullSpec", "Update", "create_deadline", "deadline_for"]
 
 #: Deadline = base + bytes / rate: generous for loopback, still bounded. A dead
 #: peer is not always announced by a connection reset (e.g. a frozen or cut-off
@@ -66,6 +66,28 @@ _BARRIER_POLL_S = 2.0
 def deadline_for(nbytes: int) -> float:
     """Seconds a call moving ``nbytes`` may take."""
     return _BASE_DEADLINE_S + nbytes / _MIN_RATE_BYTES_PER_S
+
+
+#: The PS materialises a created variable whatever travels: an initializer runs there, in numpy,
+#: on the whole shard (a 2M x 64 table's third is 170 MB, with temporaries several times that), and
+#: its optimizer state is made beside it. On a loaded host that was seen to take over 10 s: the
+#: deadline of a create follows the bytes created, at this much slower rate than a transfer's.
+_MIN_CREATE_RATE_BYTES_PER_S = 4e6
+
+
+def create_deadline(specs: Sequence[CreateSpec]) -> float:
+    """Seconds a create of ``specs`` may take: by the bytes the PS materialises, not the bytes sent."""
+    nbytes = 0
+    for spec in specs:
+        if spec.value is not None:
+            nbytes += int(np.asarray(spec.value).nbytes)
+        elif spec.shape is not None:
+            try:
+                itemsize = np.dtype(spec.dtype or np.float32).itemsize
+            except TypeError:
+                itemsize = 8  # a dtype name numpy does not know (the PS checks it): the widest common element
+            nbytes += int(np.prod(spec.shape, dtype=np.int64)) * itemsize
+    return _BASE_DEADLINE_S + nbytes / _MIN_CREATE_RATE_BYTES_PER_S
 
 
 def _dial_host(address: str) -> str | None:
@@ -390,7 +412,7 @@ class PSClient(ServiceClient):
     def create(self, specs: Sequence[CreateSpec], timeout: float | None = None) -> list[int]:
         """Create variables (values travel as payload; initializers run on the PS)."""
         header, arrays = ps_wire.encode_create(specs)
-        return list(self._send(header, arrays, timeout).versions)
+        return list(self._send(header, arrays, timeout or create_deadline(specs)).versions)
 
     # ------------------------------------------------------------- replication
     def replicate(self, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray], timeout: float | None = None) -> None:

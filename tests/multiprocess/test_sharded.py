@@ -19,8 +19,21 @@ def three_ps():  # type: ignore[no-untyped-def]
         yield c
 
 
+_made: list[jaxdist.ParameterServerStrategy] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_strategies():  # type: ignore[no-untyped-def]
+    """Each test's strategies are closed after it, failed or not (a failure's traceback keeps them alive)."""
+    yield
+    while _made:
+        _made.pop().close()
+
+
 def _strategy(cluster, partitioner):  # type: ignore[no-untyped-def]
-    return jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=partitioner)
+    s = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), variable_partitioner=partitioner)
+    _made.append(s)
+    return s
 
 
 def test_tf_layout_names_and_placement(three_ps) -> None:  # type: ignore[no-untyped-def]

@@ -36,7 +36,7 @@ def test_task_reexecs_itself_with_malloc_settings_unless_turned_off(tuning: str)
             assert not any(k in got for k in task_process.MALLOC_ENV)
     finally:
         proc.terminate()
-        proc.wait(30)
+        proc.communicate(timeout=30)  # reaps it and closes its stdout pipe
 
 
 @pytest.mark.timeout(120)
