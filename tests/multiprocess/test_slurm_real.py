@@ -54,6 +54,37 @@ def _slurm_ready() -> str | None:
     return None
 
 
+def _free_port_base(n: int) -> int:
+    """The first of ``n`` consecutive ports free on 127.0.0.1, below the kernel's ephemeral range.
+
+    Not a port-0 pick: srun listens for its tasks' I/O on ephemeral ports, and a task base taken
+    from that range can land next to them. A jaxdist client dialing a peer's port that srun holds
+    speaks gRPC to srun's I/O listener ("failed reading io init message", the step's output lost:
+    seen when a fresh-clone run's job and another's ran at once).
+    """
+    import random
+    import socket
+
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    low = min(20000, ephemeral_low - 4096)
+    for _ in range(200):
+        base = random.randrange(low, ephemeral_low - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise AssertionError(f"no {n} consecutive free ports below {ephemeral_low}")
+
+
 def _run_step(ntasks: int, jobs: dict[str, int], *srun_args: str) -> list[dict]:
     env = {
         k: v
@@ -182,9 +213,7 @@ def test_srun_trains_a_jaxdist_job(slurm: None, tmp_path: Path) -> None:
     script.write_text(_TRAIN)
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER")}
     env["JAXDIST_SLURM_JOBS"] = json.dumps({"chief": 1, "ps": 1, "worker": 2})
-    with socket.socket() as s:  # a free port range is likely above a free port
-        s.bind(("127.0.0.1", 0))
-        env["JAXDIST_SLURM_PORT_BASE"] = str(s.getsockname()[1])
+    env["JAXDIST_SLURM_PORT_BASE"] = str(_free_port_base(4))
     env["JAXDIST_TOKEN"] = "slurm-test-token"
     env["JAX_PLATFORMS"] = "cpu"
     cmd = ["srun", "--ntasks=4", "--time=3", "--job-name=jaxdist-train", sys.executable, "-m", "jaxdist.tools.cli", "task",
