@@ -76,17 +76,17 @@ _MIN_CREATE_RATE_BYTES_PER_S = 4e6
 
 
 def create_deadline(specs: Sequence[CreateSpec]) -> float:
-    """Seconds a create of ``specs`` may take: by the bytes the PS materialises, not the bytes sent."""
+    """Seconds a create of ``specs`` may take: by the bytes the PS materialises, not the bytes sent.
+
+    Raises:
+        InvalidRequestError: a spec's dtype cannot travel (as encoding the create would).
+    """
     nbytes = 0
     for spec in specs:
         if spec.value is not None:
             nbytes += int(np.asarray(spec.value).nbytes)
         elif spec.shape is not None:
-            try:
-                itemsize = np.dtype(spec.dtype or np.float32).itemsize
-            except TypeError:
-                itemsize = 8  # a dtype name numpy does not know (the PS checks it): the widest common element
-            nbytes += int(np.prod(spec.shape, dtype=np.int64)) * itemsize
+            nbytes += codec.nbytes_of(tuple(spec.shape), codec.canonical_dtype(spec.dtype or np.float32))
     return _BASE_DEADLINE_S + nbytes / _MIN_CREATE_RATE_BYTES_PER_S
 
 

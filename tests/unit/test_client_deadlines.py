@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxdist.base.errors import InvalidRequestError
 from jaxdist.ps_server.client import CreateSpec, create_deadline, deadline_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -29,5 +30,6 @@ def test_a_create_deadline_adds_up_its_entries_values_included() -> None:
     two = create_deadline([CreateSpec("a", value=np.zeros((1000, 1000), np.float32)),
                            CreateSpec("b", shape=(1000, 1000), dtype=np.float32, initializer=_init)])
     assert two - deadline_for(0) == pytest.approx(2 * (one - deadline_for(0)))
-    # A dtype name numpy does not know (the PS refuses it with its own error) still gets a deadline.
-    assert create_deadline([CreateSpec("c", shape=(10,), dtype="not-a-dtype", initializer=_init)]) >= deadline_for(0)
+    # A dtype that cannot travel is refused as encoding the create refuses it.
+    with pytest.raises(InvalidRequestError):
+        create_deadline([CreateSpec("c", shape=(10,), dtype="not-a-dtype", initializer=_init)])
