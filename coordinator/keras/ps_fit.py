@@ -149,8 +149,8 @@ class FitControl:
         return False
 
 
-def _resume_step(callbacks: Any, steps_per_epoch: int) -> int:
-    asked = {cb.ps_resume_step() for cb in callbacks if isinstance(cb, FitControl)} - {0}
+def _resume_step(controls: list[FitControl], steps_per_epoch: int) -> int:
+    asked = {cb.ps_resume_step() for cb in controls} - {0}
     if len(asked) > 1:
         raise ConfigurationError(f"fit: callbacks resume the first epoch at different steps {sorted(asked)}")
     step = asked.pop() if asked else 0
