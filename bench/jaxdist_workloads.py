@@ -265,11 +265,13 @@ class JaxdistBench:
     process it started.
     """
 
-    def __init__(self, workers: int = 2, ps: int = 2, shards: int | None = None, given: bool = False) -> None:
+    def __init__(self, workers: int = 2, ps: int = 2, shards: int | None = None, given: bool = False,
+                 staleness: int | None = None) -> None:
         self.workers = workers
         self.ps = ps
         self.shards = shards
         self.given = given
+        self.staleness = staleness
         self._stack = contextlib.ExitStack()
         self._n = 0
 
@@ -288,7 +290,7 @@ class JaxdistBench:
                 resolver = self.cluster.cluster_resolver()
             self.shards = self.shards or self.ps
             self.strategy = jaxdist.ParameterServerStrategy(
-                resolver, variable_partitioner=jaxdist.FixedShardsPartitioner(self.shards)
+                resolver, variable_partitioner=jaxdist.FixedShardsPartitioner(self.shards), staleness=self.staleness
             )
             self._stack.callback(self.strategy.close)
             self.coord = jaxdist.ClusterCoordinator(self.strategy)
@@ -364,6 +366,11 @@ class JaxdistBench:
         self.coord.join()
         return steps / (time.perf_counter() - t)
 
+    def applied_steps(self) -> int | None:
+        """Optimizer steps the first PS applied under a step barrier (``staleness`` set); None without one."""
+        barrier = self.coord.step_barrier
+        return None if barrier is None else int(barrier.reports()[0].applied)
+
     def mlp_phases(self, steps: int) -> dict[str, Any]:
         """``steps`` phase-timed MLP steps (after ``mlp_setup``): steps/s and median ms per phase."""
         step = _make_phased_train_step(self._params, self._mode)
@@ -399,12 +406,36 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
     return {"median": round(statistics.median(vals), ndigits), "runs": [round(v, ndigits) for v in vals]}
 
 
+def parse_staleness(text: str) -> int | None:
+    """``--staleness``: "async" (None, asynchronous updates) or an int >= 0 (``ParameterServerStrategy(staleness=)``)."""
+    if text == "async":
+        return None
+    try:
+        s = int(text)
+    except ValueError:
+        s = -1
+    if s < 0:
+        raise ValueError(f"staleness {text!r}: give async or an int >= 0 (0 is synchronous)")
+    return s
+
+
+def staleness_label(s: int | None) -> str:
+    return "async" if s is None else str(s)
+
+
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
                 grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False,
-                mlp_mode: str = "pull_push") -> None:
+                mlp_mode: str = "pull_push", staleness: int | None = None, staleness_given: bool = False) -> None:
+    """Run ``workloads`` on one cluster, printing a JSON line per figure. ``staleness_given``: the MLP
+    records carry ``"staleness"`` (its label) even when asynchronous, so side-by-side modes are told apart."""
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
-    with JaxdistBench(workers=workers, ps=ps, given=given) as b:
+    if (staleness is not None or staleness_given) and set(workloads) != {"mlp"}:
+        raise SystemExit("--staleness measures the MLP only: give --workload mlp")
+    if staleness is not None and mlp_mode != "pull_push":
+        raise SystemExit(f"--mlp-mode {mlp_mode} moves values outside the step barrier; staleness {staleness} "
+                         "runs need --mlp-mode pull_push")
+    with JaxdistBench(workers=workers, ps=ps, given=given, staleness=staleness) as b:
         common = {"system": "jaxdist", "workers": b.workers, "ps": b.ps, "transport": tensor_transport()}
         if given:
             common["cluster"] = "given"
@@ -427,8 +458,18 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
             extra = {} if pull_dtype == "float32" else {"pull_dtype": pull_dtype}
             if mlp_mode != "pull_push":
                 extra["mlp_mode"] = mlp_mode
+            if staleness is not None or staleness_given:
+                extra["staleness"] = staleness_label(staleness)
+            before = b.applied_steps()
+            figures = _runs(lambda: b.mlp_rate(mlp_steps), repeats, 2)
+            after = b.applied_steps()
+            if before is not None and after is not None:
+                # Under staleness=0 an optimizer step is the mean of one step from every worker.
+                extra["applied_steps"] = after - before
             emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype, **extra,
-                 **_runs(lambda: b.mlp_rate(mlp_steps), repeats, 2))
+                 **figures)
+            if given and staleness_given:  # a staleness run is MLP only: say how its tensors moved
+                emit(system="jaxdist", kind="transport", **b.transports())
         if "mlp_phases" in workloads:
             runs = [b.mlp_phases(mlp_steps) for _ in range(repeats)]
             best = sorted(runs, key=lambda r: r["steps_per_s"])[len(runs) // 2]  # the median run by steps/s
@@ -482,11 +523,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the MLP step moves parameters: pull_push (default), prefetch (the next pull overlaps "
                          "this step: jaxdist.pull(prefetch_next=True), values up to one own step stale) or fused "
                          "(one push-then-pull round trip per step: jaxdist.push_pull)")
+    ap.add_argument("--staleness", default=None,
+                    help="ParameterServerStrategy(staleness=): async or an int >= 0 (0: synchronous steps, each the "
+                         "mean of every worker's gradient); MLP only (--workload mlp, --mlp-mode pull_push); the MLP "
+                         "record then carries it (and the optimizer steps applied)")
     ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
     ap.add_argument("--given-cluster", action="store_true",
                     help="coordinate the running cluster jaxdist.cluster_resolver.detect() finds (JAXDIST_CLUSTER + "
                          "JAXDIST_TOKEN, TF_CONFIG, Slurm) instead of starting a LocalCluster; --workers/--ps are ignored")
     args = ap.parse_args(argv)
+    try:
+        staleness = None if args.staleness is None else parse_staleness(args.staleness)
+    except ValueError as e:
+        ap.error(str(e))
 
     import jax
 
@@ -500,7 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         jd = [w for w in workloads if w in JAXDIST_WORKLOADS or w in PROFILE_WORKLOADS]
         if jd:
             run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
-                        args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster, mlp_mode=args.mlp_mode)
+                        args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster, mlp_mode=args.mlp_mode,
+                        staleness=staleness, staleness_given=args.staleness is not None)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

@@ -85,12 +85,18 @@ the full-duplex links; a step may miss its own previous gradients) or ``jaxdist.
 round trip per step); --grad-dtype/--pull-dtype bfloat16 send jaxdist's MLP gradients/parameters in
 bfloat16 (TF's stay float32). The config line records them.
 
+--staleness-modes async,0[,s...] adds, per round and after the systems' runs, one MLP-only jaxdist
+run per mode (``ParameterServerStrategy(staleness=)``; each step a pull and a push, as TF's; the
+order alternates by round), and per rate one ``"kind": "staleness_summary"`` line per mode: median
+worker steps/s, its ratio to the async mode's runs and to TF's MLP. ``--systems ''`` runs only these.
+
 Every namespace, process and temporary file is removed on exit, Ctrl-C and SIGTERM; after a SIGKILL,
 ``--cleanup TAG`` removes what is left (the tag is in the ``"kind": "lab"`` line and on stderr).
 
 Usage: python bench/netbench.py [--rounds 3] [--rates 1gbit,5gbit] [--size-mb 64] [--mlp-steps 200]
        [--noop-closures 5000] [--tf-python PATH] [--out bench/results/netbench.jsonl] [--profile [RATE]]
        [--mlp-mode pull_push|prefetch|fused] [--grad-dtype float32|bfloat16] [--pull-dtype float32|bfloat16]
+       [--staleness-modes async,0]
 """
 
 from __future__ import annotations
@@ -209,7 +215,7 @@ def summarize(records: list[dict[str, Any]], rate: str, rate_bits: float, size_m
         def vals(system: str, name: str = name) -> list[float]:
             out = []
             for r in recs:
-                if r.get("system") == system and r.get("workload") == name:
+                if r.get("system") == system and r.get("workload") == name and "staleness" not in r:
                     v = figure(r)
                     if v is not None:
                         out.append(v)
@@ -251,6 +257,28 @@ def summarize(records: list[dict[str, Any]], rate: str, rate_bits: float, size_m
     return rows
 
 
+def summarize_staleness(records: list[dict[str, Any]], rate: str, modes: list[str]) -> list[dict[str, Any]]:
+    """Per rate and ``--staleness-modes`` mode: one "staleness_summary" row, the median MLP steps/s of
+    that mode's runs, next to the mode "async" of the same rounds and to TF's MLP (from the main runs)."""
+    recs = [r for r in records if r.get("rate") == rate and r.get("workload") == "mlp_steps_per_s"]
+    tf = _med([v for r in recs if r.get("system") == "tf" and (v := figure(r)) is not None])
+    by_mode = {m: [v for r in recs if r.get("system") == "jaxdist" and r.get("staleness") == m
+                   and (v := figure(r)) is not None] for m in modes}
+    base = _med(by_mode.get("async", []))
+    rows = []
+    for m in modes:
+        med = _med(by_mode[m])
+        applied = [r["applied_steps"] for r in recs if r.get("staleness") == m and "applied_steps" in r]
+        rows.append({"kind": "staleness_summary", "rate": rate, "workload": "mlp_steps_per_s", "staleness": m,
+                     "mlp_mode": "pull_push", "jaxdist_median": _r(med, 2),
+                     "jaxdist_rounds": [round(v, 2) for v in by_mode[m]],
+                     "ratio_to_async": _r(_ratio(med, base)), "tf_median": _r(tf, 2), "ratio_to_tf": _r(_ratio(med, tf)),
+                     "applied_steps": applied,
+                     "what": "worker steps (closures) per second, both workers together; under staleness=0 an "
+                             "optimizer step is the mean of one step from each worker"})
+    return rows
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any, nd: int = 1) -> str:
         return "-" if x is None else f"{x:,.{nd}f}"
@@ -276,6 +304,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         used = {r.get("jaxdist_transport") for r in rows if r["kind"] == "summary" and r["rate"] == rate} - {None}
         if used:
             out.append(f"  jaxdist moved tensors over: {', '.join(sorted(used))}")
+        for r in rows:
+            if r["kind"] == "staleness_summary" and r["rate"] == rate:
+                out.append(f"  jaxdist MLP staleness={r['staleness']}: {f(r['jaxdist_median'], 2)} steps/s "
+                           f"({f(r['ratio_to_async'], 2)}x async, {f(r['ratio_to_tf'], 2)}x TF)")
     return "\n".join(out)
 
 
@@ -761,17 +793,19 @@ class Runner:
         self.port += 1
         return self.port
 
-    def coordinator_argv(self, system: str, workload: str, repeats: int) -> list[str]:
+    def coordinator_argv(self, system: str, workload: str, repeats: int, staleness: str | None = None) -> list[str]:
+        """The coordinator script's command line; ``staleness``: a --staleness-modes run (jaxdist's MLP
+        with that ``staleness``, each step a pull and a push as TF's, whatever --mlp-mode says)."""
         a = self.args
         common = ["--workload", workload, "--repeats", str(repeats), "--mlp-steps", str(a.mlp_steps),
                   "--noop-closures", str(a.noop_closures), "--size-mb", str(a.size_mb)]
         if system == "tf":
             return [self.tf_python or "", TF_SCRIPT, *common]
-        return [a.jaxdist_python, JAXDIST_SCRIPT, *common, "--mlp-mode", a.mlp_mode,
-                "--grad-dtype", a.grad_dtype, "--pull-dtype", a.pull_dtype]
+        mode = ["--mlp-mode", a.mlp_mode] if staleness is None else ["--mlp-mode", "pull_push", "--staleness", staleness]
+        return [a.jaxdist_python, JAXDIST_SCRIPT, *common, *mode, "--grad-dtype", a.grad_dtype, "--pull-dtype", a.pull_dtype]
 
     def run_system(self, lab: Lab, system: str, workload: str, repeats: int, tags: dict[str, Any],
-                   measure: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+                   measure: bool = False, staleness: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Fresh cluster, one coordinator run; (records, counters) with counters when ``measure``."""
         python = self.tf_python if system == "tf" else self.args.jaxdist_python
         assert python is not None
@@ -787,7 +821,7 @@ class Runner:
         counters = None
         try:
             before = (lab.link_bytes(), cluster.cpu(), system_cpu(), lab.qdisc_drops()) if measure else None
-            res = run_coordinator(lab, self.coordinator_argv(system, workload, repeats) + cluster.coordinator_args,
+            res = run_coordinator(lab, self.coordinator_argv(system, workload, repeats, staleness) + cluster.coordinator_args,
                                   cluster.coordinator_env, self.args.timeout)
             if measure and before is not None:
                 after = (lab.link_bytes(), cluster.cpu(), system_cpu(), lab.qdisc_drops())
@@ -843,11 +877,19 @@ def bench_rate(runner: Runner, rate: str, rate_bits: float, args: argparse.Names
                 log(f"[{rate} round {r}/{args.rounds}] {system}")
                 recs, _ = runner.run_system(lab, system, "all", args.repeats_per_run, {**tags, "position": pos})
                 records.extend(recs)
+            modes = args.staleness_modes if r % 2 == 1 else args.staleness_modes[::-1]
+            for pos, mode in enumerate(modes):
+                log(f"[{rate} round {r}/{args.rounds}] jaxdist MLP, staleness {mode}")
+                recs, _ = runner.run_system(lab, "jaxdist", "mlp", args.repeats_per_run,
+                                            {**tags, "position": pos, "staleness_run": mode}, staleness=mode)
+                records.extend(recs)
         drops = lab.qdisc_drops()
         runner.emit({"kind": "qdisc", "rate": rate, "drops": drops})
     finally:
         lab.close()
     rows = summarize(records, rate, rate_bits, args.size_mb, workers=len(WORKER_HOSTS), ps=len(PS_HOSTS))
+    if args.staleness_modes:
+        rows += summarize_staleness(records, rate, args.staleness_modes)
     for row in rows:
         row.update(rounds=args.rounds, tf_available=runner.tf_python is not None, burst_bytes=lab.burst, latency=lab.latency)
         runner.emit(row)
@@ -966,6 +1008,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype jaxdist's MLP gradients travel in (TF's stay float32)")
     ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype jaxdist's MLP parameters are pulled in (TF's stay float32)")
+    ap.add_argument("--staleness-modes", default="",
+                    help="comma-separated ParameterServerStrategy(staleness=) modes (async or an int >= 0, e.g. "
+                         "async,0,2): per round, after the systems, one jaxdist MLP-only run per mode (pull_push "
+                         "steps), summarised side by side (\"kind\": \"staleness_summary\"); --systems '' runs only these")
     ap.add_argument("--tag", default=None, help="namespace name prefix (1-9 of [a-z0-9]; default nb<random hex>)")
     ap.add_argument("--cleanup", default=None, metavar="TAG",
                     help="only remove the namespaces <TAG>-* (and kill what runs in them) left by a run killed with SIGKILL")
@@ -986,6 +1032,16 @@ def main(argv: list[str] | None = None) -> int:
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if set(args.systems) - {"tf", "jaxdist"}:
         ap.error(f"--systems: tf and/or jaxdist, not {args.systems}")
+    args.staleness_modes = [m.strip() for m in args.staleness_modes.split(",") if m.strip()]
+    for m in args.staleness_modes:
+        if m != "async" and not m.isdigit():  # what jaxdist_workloads.py --staleness takes
+            ap.error(f"--staleness-modes: {m!r} is neither async nor an int >= 0")
+    if len(set(args.staleness_modes)) != len(args.staleness_modes):
+        ap.error(f"--staleness-modes: each mode once, not {args.staleness_modes}")
+    if args.profile and args.staleness_modes:
+        ap.error("--staleness-modes runs in the side-by-side run, not with --profile")
+    if not args.systems and not args.staleness_modes:
+        ap.error("nothing to run: --systems is empty and no --staleness-modes")
 
     signal.signal(signal.SIGTERM, _raise_on_sigterm)  # SIGTERM unwinds through every cleanup below
     if args.cleanup:
@@ -1008,7 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
                  "jaxdist_python": args.jaxdist_python, "size_mb": args.size_mb, "mlp_steps": args.mlp_steps,
                  "noop_closures": args.noop_closures, "repeats_per_run": args.repeats_per_run,
                  "jaxdist_mlp_mode": args.mlp_mode, "jaxdist_grad_dtype": args.grad_dtype,
-                 "jaxdist_pull_dtype": args.pull_dtype,
+                 "jaxdist_pull_dtype": args.pull_dtype, "staleness_modes": args.staleness_modes,
                  "latency": args.latency, "burst": args.burst,
                  "jaxdist_env": {} if args.allow_shm else {"JAXDIST_SHM": "0"},
                  "profile": args.profile, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})

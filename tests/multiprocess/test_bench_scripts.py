@@ -47,6 +47,20 @@ def test_jaxdist_workloads_noop_json_schema() -> None:
     assert len(rec["runs"]) == 1 and rec["runs"][0] == rec["median"]
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("argv, says", [
+    (["--staleness", "-1"], "give async or an int >= 0"),
+    (["--staleness", "sync"], "give async or an int >= 0"),
+    (["--staleness", "0", "--workload", "noop"], "--staleness measures the MLP only"),
+    (["--staleness", "1", "--workload", "mlp", "--mlp-mode", "prefetch"], "need --mlp-mode pull_push"),
+])
+def test_jaxdist_workloads_refuses_staleness_it_cannot_measure(argv: list[str], says: str) -> None:
+    r = subprocess.run([sys.executable, str(BENCH / "jaxdist_workloads.py"), *argv], capture_output=True, text=True,
+                       timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
+    assert says in r.stderr and '"workload"' not in r.stdout  # refused before any cluster was started
+
+
 def _records(tf: dict[str, list[float]], jd: dict[str, list[float]], ref: dict[str, list[float]]) -> list[dict]:
     out = []
     for system, table in (("tf", tf), ("jaxdist", jd), ("reference", ref)):

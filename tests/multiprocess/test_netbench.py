@@ -29,6 +29,7 @@ NETBENCH = BENCH / "netbench.py"
 RATE, RATE_BITS = "1gbit", 1e9
 CONFIGURED_MBPS = RATE_BITS / 8 / 2**20  # 119.2 MB/s (MB = 2**20 bytes, as in the benchmark)
 SIZE_MB = 16
+MLP_STEPS = 20
 RUN_TIMEOUT_S = 700
 
 
@@ -52,8 +53,9 @@ def run(netbench: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         pytest.skip(f"netbench cannot build its emulated cluster here: {why}")
     tag = f"nt{secrets.token_hex(3)}"
     out = tmp_path_factory.mktemp("netbench") / "netbench.jsonl"
-    cmd = [sys.executable, str(NETBENCH), "--rounds", "1", "--rates", RATE, "--size-mb", str(SIZE_MB), "--mlp-steps", "20",
-           "--noop-closures", "200", "--timeout", "300", "--tag", tag, "--out", str(out)]
+    cmd = [sys.executable, str(NETBENCH), "--rounds", "1", "--rates", RATE, "--size-mb", str(SIZE_MB), "--mlp-steps",
+           str(MLP_STEPS), "--noop-closures", "200", "--timeout", "300", "--tag", tag, "--out", str(out),
+           "--staleness-modes", "async,0"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAXDIST_")}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -122,7 +124,7 @@ def test_link_reference_and_jaxdist_over_the_links(run: dict[str, Any]) -> None:
         assert isinstance(row["jaxdist_median"], float) and row["jaxdist_median"] > 0, row
         assert row["jaxdist_rounds"] == [row["jaxdist_median"]]
         assert row["jaxdist_transport"] == "tcp", row  # the data plane's socket: not shared memory, not gRPC
-    transport = _one(lines, kind="transport")
+    transport = _one(lines, kind="transport", staleness_run=None)
     assert transport["used"] == ["tcp"] and set(transport["workers"]) == {"worker:0", "worker:1"}
     assert all(t == ["tcp", "tcp"] for t in transport["workers"].values()), transport
     for name in (f"pull_{SIZE_MB}MB_MBps", f"push_{SIZE_MB}MB_MBps"):
@@ -144,6 +146,33 @@ def test_link_reference_and_jaxdist_over_the_links(run: dict[str, Any]) -> None:
     assert mlp["target"] == "jaxdist >= 2x TF"
     assert _one(lines, kind="qdisc")["drops"] >= 0
     assert f"rate {RATE}: configured" in stderr and "jaxdist moved tensors over: tcp" in stderr
+
+
+def test_staleness_modes_side_by_side_over_the_links(run: dict[str, Any]) -> None:
+    """--staleness-modes async,0: one MLP-only jaxdist run per mode, each summarised; the synchronous
+    run applied one optimizer step per pair of worker steps, and every tensor crossed the links."""
+    lines = run["lines"]
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    assert lines[0]["staleness_modes"] == ["async", "0"]
+    rows = [r for r in lines if r.get("kind") == "staleness_summary"]
+    assert [r["staleness"] for r in rows] == ["async", "0"]
+    sync_rec = _one(lines, system="jaxdist", workload="mlp_steps_per_s", staleness="0")
+    async_rec = _one(lines, system="jaxdist", workload="mlp_steps_per_s", staleness="async")
+    assert sync_rec["steps"] == MLP_STEPS and sync_rec["applied_steps"] == MLP_STEPS // 2  # 2 workers, s=0
+    assert "applied_steps" not in async_rec  # no step barrier, nothing to count
+    for row, rec in zip(rows, (async_rec, sync_rec)):
+        assert row["jaxdist_rounds"] == [rec["median"]] and row["jaxdist_median"] == rec["median"] > 0
+        # Never faster than the links carry the parameters (one pull and one push per worker step).
+        param_mb = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10) / 2**20
+        assert row["jaxdist_median"] <= 2 * CONFIGURED_MBPS * 1.05 / param_mb, row
+    assert rows[0]["ratio_to_async"] == 1.0
+    assert rows[1]["ratio_to_async"] == pytest.approx(rows[1]["jaxdist_median"] / rows[0]["jaxdist_median"], abs=1e-3)
+    for mode in ("async", "0"):
+        transport = _one(lines, kind="transport", staleness_run=mode)
+        assert transport["used"] == ["tcp"], transport
+    # The main runs' summary is of the main runs only.
+    assert _summary(lines)["mlp_steps_per_s"]["jaxdist_rounds"] == [
+        _one(lines, system="jaxdist", workload="mlp_steps_per_s", staleness_run=None)["median"]]
 
 
 def test_tf_over_the_links(run: dict[str, Any]) -> None:
