@@ -19,7 +19,6 @@ paths (:mod:`jaxdist.proto.ps_wire`), and so are the typed errors.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -50,11 +49,11 @@ _BASE_DEADLINE_S = 10.0
 _DP_RETRY_REFUSED_S = (1.0, 30.0)
 _DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
-#: Finding the data plane's port (one GetStatus) when the PS answers "busy" (its liveness lane
-#: admits 64 GetStatus at once; 200-1,000 workers starting their first closures together ask
-#: more, issue 18): asked again after a jittered wait, doubling from the first to the second
-#: figure, for at most the third (seconds); then this call goes over gRPC and the next one asks.
-_DISCOVERY_BUSY_S = (0.01, 0.2, 10.0)
+#: Deadline of the GetStatus that finds the data plane's port. A PS answering "busy" (its liveness
+#: lane admits 64 GetStatus at once; 200-1,000 workers starting their first closures together ask
+#: more, issue 18) is asked again until then (ServiceClient's busy retry); past it this call goes
+#: over gRPC and the next one asks again.
+_DISCOVERY_TIMEOUT_S = 5.0
 
 
 #: How long a pull may wait at the step barrier (synchronous / bounded-stale training) in all,
@@ -197,20 +196,16 @@ class PSClient(ServiceClient):
             return self._dp
 
     def _discover_port(self) -> int | None:
-        """The PS's data port from GetStatus, asked again while the PS answers busy (None: still busy)."""
-        first, most, total = _DISCOVERY_BUSY_S
-        give_up = time.monotonic() + total
-        wait = first
-        while True:
-            try:
-                return self.status().data_port
-            except ServerBusyError:
-                if time.monotonic() + wait > give_up:
-                    logger.info("%s: busy for %.0fs while this client looked up its data plane; this call goes "
-                                "over gRPC", self.task, total)
-                    return None
-                time.sleep(wait * random.uniform(0.5, 1.5))  # jittered: the refused callers spread out
-                wait = min(most, wait * 2)
+        """The PS's data port from GetStatus (None: the PS answered busy until the call's deadline).
+
+        GetStatus is made again while the PS answers busy (:meth:`ServiceClient._call`): many
+        workers' first calls to one PS each ask it at once, more than its liveness lane admits."""
+        try:
+            return self.status(timeout=_DISCOVERY_TIMEOUT_S).data_port
+        except ServerBusyError:
+            logger.info("%s: busy for %.0fs while this client looked up its data plane; this call goes over gRPC",
+                        self.task, _DISCOVERY_TIMEOUT_S)
+            return None
 
     def _data_plane_call(
         self, method: int, header: bytes, arrays: Sequence[np.ndarray], timeout: float,
@@ -340,7 +335,8 @@ class PSClient(ServiceClient):
             res = self._data_plane_call(dataplane.PUSH, header.SerializeToString(), arrays, timeout)
             if res is not None:
                 return ps_pb2.PushResponse.FromString(res[0])
-        return self._call(method or self._push, self._frames(header, arrays), timeout)
+        # A function, not the iterator: a push refused as busy is sent again (the refusal did nothing).
+        return self._call(method or self._push, lambda: self._frames(header, arrays), timeout)
 
     def push(self, updates: Sequence[Update], update_id: str = "", timeout: float | None = None) -> tuple[list[int], bool]:
         """Apply updates atomically on this PS; returns (new versions, duplicate).

@@ -8,7 +8,11 @@ or inside :meth:`ServiceClient._calling` (streams), which
 - turns a failed call into the typed error for its status code, reason and
   the task called (:func:`jaxdist.proto.status.error_from_rpc`): a PS that
   cannot be reached is a ``PSUnavailableError``, a worker a
-  ``WorkerUnavailableError``; message text is never parsed.
+  ``WorkerUnavailableError``; message text is never parsed;
+- makes a call the server refused as busy (:class:`~jaxdist.base.errors.ServerBusyError`:
+  the method's admission cap was full, nothing was done) again, jittered and
+  doubling from :data:`BUSY_RETRY_S`, until the call's own deadline; a request
+  stream can be made again only when given as a function that builds it.
 
 Subclasses set :attr:`SERVICE` and :attr:`ROLE` and build their methods with
 :meth:`_unary` (protobuf messages) or on :attr:`channel` directly.
@@ -16,7 +20,10 @@ Subclasses set :attr:`SERVICE` and :attr:`ROLE` and build their methods with
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import random
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
@@ -27,7 +34,13 @@ from jaxdist.proto import status
 from jaxdist.transport.channel import make_channel, unary_method
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
-__all__ = ["ServiceClient"]
+__all__ = ["BUSY_RETRY_S", "ServiceClient"]
+
+logger = logging.getLogger(__name__)
+
+#: Waits before a call refused as busy is made again: the first and the longest (each doubles the
+#: last, times a uniform 0.5-1.5 so that refused callers spread out); the call's deadline bounds them.
+BUSY_RETRY_S = (0.01, 0.5)
 
 _Self = TypeVar("_Self", bound="ServiceClient")
 
@@ -65,13 +78,32 @@ class ServiceClient:
         """A unary method of this service with protobuf request/response classes."""
         return unary_method(self.channel, self._path(method), request_cls, response_cls)
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable | grpc.StreamUnaryMultiCallable, request: Any,
-              timeout: float, **kwargs: Any) -> Any:
-        """Call ``method`` with the token and a ``timeout``-second deadline; typed errors."""
-        try:
-            return method(request, metadata=self._metadata, timeout=timeout, **kwargs)
-        except grpc.RpcError as e:
-            raise self.error(e) from None
+    def _call(self, method: grpc.UnaryUnaryMultiCallable | grpc.StreamUnaryMultiCallable,
+              request: Any | Callable[[], Iterator[Any]], timeout: float, **kwargs: Any) -> Any:
+        """Call ``method`` with the token and a ``timeout``-second deadline; typed errors.
+
+        ``request`` is a message, or for a request stream a function returning a fresh iterator of
+        them (an iterator itself is sent once: it cannot be sent again). A call refused as busy
+        (``ServerBusyError``) is made again until ``timeout`` seconds have passed since the first
+        attempt; then the last refusal is raised.
+        """
+        deadline = time.monotonic() + timeout
+        again = callable(request) or not isinstance(request, Iterator)
+        wait, longest = BUSY_RETRY_S
+        left = timeout
+        while True:
+            try:
+                return method(request() if callable(request) else request, metadata=self._metadata, timeout=left,
+                              **kwargs)
+            except grpc.RpcError as e:
+                err = self.error(e)
+            pause = wait * random.uniform(0.5, 1.5)
+            left = deadline - time.monotonic() - pause
+            if not (again and isinstance(err, E.ServerBusyError)) or left <= 0:
+                raise err from None
+            logger.debug("%s busy; calling again in %.3fs", self.task, pause)
+            time.sleep(pause)
+            wait = min(longest, wait * 2)
 
     def _future(self, method: grpc.UnaryUnaryMultiCallable, request: Any, timeout: float | None, **kwargs: Any) -> grpc.Future:
         """Start ``method`` asynchronously with the token; map its failure with :meth:`error`."""

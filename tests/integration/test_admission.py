@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from jaxdist.base import errors as E
 from jaxdist.proto import status
 from jaxdist.transport import admission
+from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.handlers import stream_in_handler, unary_handler
 from jaxdist.transport.server import Server
 
@@ -115,3 +116,63 @@ def test_a_tokenless_request_that_never_arrives_is_cancelled(server: Server, mon
     finally:
         held.close()
         ch.close()
+
+
+
+class _DrainClient(ServiceClient):
+    """A jaxdist client of the test service that counts the refusals it saw."""
+
+    SERVICE = "t.Svc"
+    ROLE = "ps"
+
+    def __init__(self, address: str) -> None:
+        super().__init__(address, CREDS, task="ps:0")
+        self.busy = 0
+        self._drain = self.channel.stream_unary(self._path("Drain"))
+
+    def error(self, e: grpc.RpcError) -> E.JaxdistError:
+        err = super().error(e)
+        self.busy += isinstance(err, E.ServerBusyError)
+        return err
+
+    def drain(self, request: Any, timeout: float) -> bytes:
+        return self._call(self._drain, request, timeout)
+
+
+def _fill_cap(server: Server, ch: grpc.Channel, held: _Held) -> None:
+    drain = ch.stream_unary("/t.Svc/Drain")
+    for _ in range(admission.STREAMS.cap):
+        held.calls.append(drain.future(held.frames(), metadata=MD))
+    poll_for(lambda: server.in_flight("/t.Svc/Drain") == admission.STREAMS.cap, 30, what="the streams to be admitted")
+
+
+def test_a_call_refused_as_busy_is_made_again_until_a_slot_frees(server: Server) -> None:
+    held, result = _Held(), []
+    with grpc.insecure_channel(server.address) as ch, _DrainClient(server.address) as client:
+        try:
+            _fill_cap(server, ch, held)
+            t = threading.Thread(target=lambda: result.append(client.drain(lambda: iter([b"y"]), timeout=60)))
+            t.start()
+            poll_for(lambda: client.busy >= 2, 30, what="the call to be refused and made again")
+            assert not result  # still waiting: refused, not failed
+            held.close()  # the held streams end: the next attempt is admitted
+            t.join(30)
+            assert result == [b""] and not t.is_alive()
+        finally:
+            held.close()
+
+
+def test_a_busy_call_gives_up_at_its_deadline_and_a_stream_iterator_is_not_resent(server: Server) -> None:
+    held = _Held()
+    with grpc.insecure_channel(server.address) as ch, _DrainClient(server.address) as client:
+        try:
+            _fill_cap(server, ch, held)
+            with pytest.raises(E.ServerBusyError):
+                client.drain(lambda: iter([b"y"]), timeout=0.5)  # refused until its deadline
+            assert client.busy >= 2
+            before = client.busy
+            with pytest.raises(E.ServerBusyError):  # an iterator cannot be sent twice: raised at the first refusal
+                client.drain(iter([b"y"]), timeout=30)
+            assert client.busy == before + 1
+        finally:
+            held.close()
