@@ -19,7 +19,8 @@ Every raw line, tagged with its round, plus the summary lines go to --out (JSON 
 table goes to stderr. Without a TF interpreter (current one, else /work/main/.venv-tf/bin/python,
 or --tf-python) only jaxdist and the references run, a line says TF is missing, and it exits 0.
 
-Usage: python bench/compare_tf.py [--rounds 3] [--workers 2] [--grad-dtype float32|bfloat16] [--mlp-mode prefetch]
+Usage: python bench/compare_tf.py [--rounds 3] [--workers 2] [--grad-dtype float32|bfloat16]
+       [--pull-dtype float32|bfloat16] [--mlp-mode pull_push|prefetch|fused]
        [--tf-python PATH] [--out bench/results/compare_tf.jsonl]
 """
 
@@ -252,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jaxdist-python", default=sys.executable)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype jaxdist's MLP parameters are pulled in (bfloat16: mixed precision; TF's stay float32)")
     ap.add_argument("--mlp-mode", choices=("pull_push", "prefetch", "fused"), default="pull_push",
                     help="jaxdist's MLP step (jaxdist_workloads.py --mlp-mode): pull_push (default, the same step as "
                          "TF's), prefetch (the next pull overlaps this step; up to one own step stale) or fused "
@@ -268,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"error: --tf-python {args.tf_python} cannot import tensorflow: {tf_info}")
         return 2
     config = {"kind": "config", "rounds": args.rounds, "workers": args.workers, "grad_dtype": args.grad_dtype,
-              "jaxdist_mlp_mode": args.mlp_mode,
+              "jaxdist_mlp_mode": args.mlp_mode, "jaxdist_pull_dtype": args.pull_dtype,
               "repeats_per_run": args.repeats_per_run, "mlp_steps": args.mlp_steps, "noop_closures": args.noop_closures,
               "tf_python": tf_python, "tf_version": tf_info if tf_python else None, "jaxdist_python": args.jaxdist_python,
               "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -286,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "tf": [tf_python or "", TF_SCRIPT, "--workload", "all", *common, *scale],
         "jaxdist": [args.jaxdist_python, JAXDIST_SCRIPT, "--workload", "all", *common, *scale,
-                    "--grad-dtype", args.grad_dtype, "--mlp-mode", args.mlp_mode],
+                    "--grad-dtype", args.grad_dtype, "--mlp-mode", args.mlp_mode,
+                    "--pull-dtype", args.pull_dtype],
         "references": [args.jaxdist_python, JAXDIST_SCRIPT, "--workload", "references", *common],
     }
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "TF_CPP_MIN_LOG_LEVEL": "2",

@@ -169,6 +169,13 @@ def _mlp_dataset_fn(ctx: Any) -> Any:
         yield x, y
 
 
+class _Pipeline:
+    """The part of an input context ``_mlp_dataset_fn`` reads."""
+
+    def __init__(self, input_pipeline_id: int) -> None:
+        self.input_pipeline_id = input_pipeline_id
+
+
 #: How the MLP step reads and updates the parameters (--mlp-mode):
 #: pull_push  pull, gradient, apply_gradients (the default; what TF's step does);
 #: prefetch   pull(prefetch_next=True): the next step's pull runs while this one computes and pushes
@@ -366,6 +373,16 @@ class JaxdistBench:
         self.coord.join()
         return steps / (time.perf_counter() - t)
 
+    def mlp_loss_now(self) -> float:
+        """The MLP's loss on worker 0's batch (``_mlp_dataset_fn``) with the PS's current float32
+        values, computed here on the coordinator: a check that the timed steps trained the model
+        (as tf_workloads.py's ``loss_before``/``loss_after``), whatever dtype they moved values in."""
+        import jax
+
+        values = jax.tree.map(lambda v: v.numpy(), self._params)
+        x, y = next(_mlp_dataset_fn(_Pipeline(0)))
+        return float(mlp_loss(values, x, y))
+
     def applied_steps(self) -> int | None:
         """Optimizer steps the first PS applied under a step barrier (``staleness`` set); None without one."""
         barrier = self.coord.step_barrier
@@ -460,9 +477,10 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
                 extra["mlp_mode"] = mlp_mode
             if staleness is not None or staleness_given:
                 extra["staleness"] = staleness_label(staleness)
-            before = b.applied_steps()
+            before, loss0 = b.applied_steps(), b.mlp_loss_now()
             figures = _runs(lambda: b.mlp_rate(mlp_steps), repeats, 2)
             after = b.applied_steps()
+            extra.update(loss_before=round(loss0, 4), loss_after=round(b.mlp_loss_now(), 4))
             if before is not None and after is not None:
                 # Under staleness=0 an optimizer step is the mean of one step from every worker.
                 extra["applied_steps"] = after - before
