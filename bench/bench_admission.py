@@ -10,9 +10,11 @@
   chunks, ``jaxdist`` (the server's :class:`PeerRegion`: ``preadv`` from the
   file) beside ``reference`` (a mapping: ``memcpy``, what the server did before).
 - ``dp_push_mb_per_s`` / ``dp_pull_mb_per_s``: 64 MB pushed to / pulled from a
-  data-plane server in this process through shared memory, the server holding
-  the region as a file (``jaxdist``) or as a mapping (``reference``), and over
-  the socket alone (``socket``), for scale.
+  data-plane server in this process through shared memory: a sealed region the
+  server maps (``sealed``, what clients offer first), a named region the server
+  holds as a file (``named``, ``JAXDIST_SHM_SEALED=0``), a named region the
+  server maps (``reference``: unsafe, what the server did before item 9), and
+  over the socket alone (``socket``), for scale.
 
 Usage: python bench/bench_admission.py [--repeats 5]
 """
@@ -193,9 +195,15 @@ def dataplane_figures(repeats: int) -> None:
 
     creds = Credentials(token=TOKEN)
     real_open = dp_server.open_region
-    for name, opener, use_shm in (("socket", real_open, False), ("reference", _mapped_open_region, True),
-                                  ("jaxdist", real_open, True)):
+    sealed_env = os.environ.get(shm.ENV_SHM_SEALED)
+    for name, opener, use_shm, sealed in (("socket", real_open, False, False),
+                                          ("reference", _mapped_open_region, True, False),
+                                          ("named", real_open, True, False), ("sealed", real_open, True, True)):
+        if sealed and not shm.sealed_enabled():
+            emit(figure="dp_push_mb_per_s", server=name, skipped="no sealed regions here")
+            continue
         dp_server.open_region = opener
+        os.environ[shm.ENV_SHM_SEALED] = "1" if sealed else "0"
         try:
             with dataplane.DataPlaneServer({dataplane.PUSH: push, dataplane.PULL: pull}, credentials=creds) as srv:
                 client = dataplane.DataPlaneClient("127.0.0.1", srv.port, creds, shared_memory=use_shm)
@@ -212,12 +220,16 @@ def dataplane_figures(repeats: int) -> None:
                     return 64 / (time.perf_counter() - t0)
 
                 emit(figure="dp_push_mb_per_s", server=name, median=round(median_of(push_rate, repeats), 1),
-                     shm=client.shm_connections > 0)
+                     shm=client.shm_connections > 0, mapped=client.mapped_connections > 0)
                 emit(figure="dp_pull_mb_per_s", server=name, median=round(median_of(pull_rate, repeats), 1),
-                     shm=client.shm_connections > 0)
+                     shm=client.shm_connections > 0, mapped=client.mapped_connections > 0)
                 client.close()
         finally:
             dp_server.open_region = real_open
+            if sealed_env is None:
+                os.environ.pop(shm.ENV_SHM_SEALED, None)
+            else:
+                os.environ[shm.ENV_SHM_SEALED] = sealed_env
 
 
 def main() -> None:

@@ -791,6 +791,7 @@ DP_EXPECTED: dict[str, tuple[grpc.StatusCode, str]] = {
     "shm_attach_bad_name": (INVALID if SHM_ON else PRECONDITION, "stay"),
     "shm_attach_bad_slot_size": (INVALID if SHM_ON else PRECONDITION, "stay"),
     "shm_attach_no_such_region": (PRECONDITION, "stay"),
+    "shm_attach_not_a_sealed_region": (PRECONDITION, "stay"),
 }
 
 
@@ -855,6 +856,10 @@ def dp_generators() -> dict[str, Callable[[random.Random], DPCase]]:
         "shm_attach_bad_name": lambda rng: attach(rng, 64 << 10, rng.choice(["../../etc/passwd", "jaxdist-XYZ", "jaxdist-" + "0" * 31, "x" * 200])),
         "shm_attach_bad_slot_size": lambda rng: attach(rng, rng.choice([0, 4096, 1000, (64 << 20) + 4096, 2**64 - 1]), f"jaxdist-{rng.randbytes(16).hex()}"),
         "shm_attach_no_such_region": lambda rng: attach(rng, 64 << 10, f"jaxdist-{rng.randbytes(16).hex()}"),
+        # Sealed-region names lead into /proc: any process's descriptors (this test process's
+        # sockets, pipes and files, init's, no process at all), none a region with this nonce.
+        "shm_attach_not_a_sealed_region": lambda rng: attach(
+            rng, 64 << 10, f"fd:{rng.choice([1, os.getpid(), rng.randrange(2, 1 << 22)])}/{rng.randrange(0, 64)}"),
     }
 
 

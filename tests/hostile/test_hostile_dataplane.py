@@ -30,6 +30,7 @@ from hostile_util import (
     INVALID,
     NOT_FOUND,
     OK,
+    PRECONDITION,
     PS,
     SHM_HEAD,
     SHM_MIN_PAYLOAD,
@@ -45,6 +46,7 @@ from hostile_util import (
     open_sockets,
     ps_status,
     ps_variables,
+    recv_exact,
     state_counters,
     task_process,
     unary,
@@ -343,4 +345,61 @@ def test_truncated_shared_memory_region_does_not_kill_the_ps(log_dir: str) -> No
                 mm.close()
             os.close(fd)
             os.unlink(path)
+            ch.close()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")),
+                    reason="no memfd_create or /proc here (no sealed shared-memory regions)")
+def test_sealed_region_the_ps_maps_cannot_be_shrunk_and_an_unsealed_one_is_refused(log_dir: str) -> None:
+    """Item 9, the fast path: the PS maps only a memfd sealed against shrinking (``fd:<pid>/<fd>``).
+    An unsealed one is refused before anything is read or written (FAILED_PRECONDITION); once a
+    sealed one is mapped, its owner can no longer truncate it, and a push through it lands."""
+    import fcntl
+
+    slot = SHM_MIN_PAYLOAD
+    size = SHM_HEAD + 2 * slot
+    with task_process("ps", log_dir, metrics=False) as task:
+        ch = channel(task.address)
+        create(ch, "big", np.zeros(slot // 4, np.float32).tobytes(), F32, [slot // 4])
+        before = ps_variables(ch)
+        port = ps_status(ch).data_port
+        nonce = secrets.token_bytes(16)
+        fds = []
+        for seals in (0, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL):
+            fd = os.memfd_create("jaxdist-hostile", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            fds.append(fd)
+            os.ftruncate(fd, size)
+            os.pwrite(fd, nonce, 0)
+            if seals:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        unsealed, sealed = fds
+        sock = dp_connect(port)
+        mm = None
+        try:
+            sock.sendall(dp_request(DP_SHM_ATTACH, ATTACH.pack(slot, nonce) + f"fd:{os.getpid()}/{unsealed}".encode()))
+            refused = dp_read(sock)
+            assert refused.code == PRECONDITION, f"an unsealed region was not refused: {refused}"
+            assert ps_variables(ch) == before
+            sock.sendall(dp_request(DP_SHM_ATTACH, ATTACH.pack(slot, nonce) + f"fd:{os.getpid()}/{sealed}".encode()))
+            a = dp_read(sock)
+            assert a.code == OK, f"a sealed region was refused: {a}"
+            with pytest.raises(PermissionError):  # the peer's mistake of the other test is impossible here
+                os.ftruncate(sealed, 0)
+            mm = mmap.mmap(sealed, size)
+            mm[SHM_HEAD:SHM_HEAD + slot] = np.ones(slot // 4, np.float32).tobytes()
+            header = dp_push_header([dict(name="big", op=ps_pb2.ASSIGN, value=(F32, [slot // 4]))])
+            sock.sendall(dp_request(DP_PUSH, header, payload_len=slot) + b"D")
+            sock.settimeout(10)
+            assert recv_exact(sock, 1) == b"A"
+            pushed = dp_read(sock)
+            assert pushed.code == OK, f"the push through the mapped region failed: {pushed}"
+            (_, _, shape, data), = ps_variables(ch).values()
+            assert shape == (slot // 4,) and np.array_equal(np.frombuffer(data, np.float32), np.ones(slot // 4, np.float32))
+        finally:
+            sock.close()
+            if mm is not None:
+                mm.close()
+            for fd in fds:
+                os.close(fd)
             ch.close()

@@ -8,13 +8,16 @@ limits, deadlines and concurrency.
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import mmap
 import os
 import socket
 import struct
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from contextlib import contextmanager
 
 import grpc
@@ -422,6 +425,16 @@ def test_connection_limit_and_stop() -> None:
 
 # ----------------------------------------------------------- shared memory
 needs_shm = pytest.mark.skipif(not dataplane.shm_enabled(), reason="no /dev/shm on this host (or JAXDIST_SHM=0)")
+needs_sealed = pytest.mark.skipif(not dataplane.sealed_enabled(),
+                                  reason="no memfd with file seals or no /proc here (or JAXDIST_SHM[_SEALED]=0)")
+#: Both region kinds: sealed (the server maps it) and, with sealed regions off, named (the server copies).
+REGION_KINDS = [pytest.param(shm.SEALED, marks=needs_sealed, id="sealed"), pytest.param(shm.NAMED, id="named")]
+
+
+def _only(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make clients created from here on offer ``kind`` first (named: sealed regions off)."""
+    if kind == shm.NAMED:
+        monkeypatch.setenv(dataplane.ENV_SHM_SEALED, "0")
 
 
 def _regions() -> set[str]:
@@ -451,7 +464,9 @@ def _echo(c: dataplane.DataPlaneClient, arrays: list[np.ndarray]) -> np.ndarray:
 
 
 @needs_shm
-def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
+@pytest.mark.parametrize("kind", REGION_KINDS)
+def test_same_host_payloads_move_through_shared_memory_exactly(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _only(kind, monkeypatch)
     before = _regions()
     with _echo_server() as s:
         # Small slots: payloads span many chunks, and chunk edges fall inside arrays.
@@ -460,6 +475,8 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
         arrays = [rng.integers(0, 255, n, dtype=np.uint8) for n in (100_003, 0, 7, 65_536, 300_001)]
         assert np.array_equal(_echo(c, arrays), np.concatenate(arrays))
         assert c.shm_connections == 1 and s.shm_connections == 1
+        mapped = 1 if kind == shm.SEALED else 0  # only a sealed region is mapped by the server
+        assert c.mapped_connections == s.mapped_connections == mapped
         small = [np.arange(10, dtype=np.float64)]  # below SHM_MIN_PAYLOAD: on the socket, same connection
         assert np.array_equal(_echo(c, small).view(np.float64), small[0])
         # A typed error before the server reads a shared-memory payload: drained, connection kept in step.
@@ -483,9 +500,10 @@ def test_same_host_payloads_move_through_shared_memory_exactly() -> None:
         finally:
             _echo_gate.clear()
         assert out == [True] * 3 and s.shm_connections == c.shm_connections == 3
+        assert s.mapped_connections == c.mapped_connections == 3 * mapped
         assert _regions() == before  # files are unlinked once both ends mapped them
         c.close()
-        poll_for(lambda: s.shm_connections == 0, 10, what="the region to be released")
+        poll_for(lambda: s.shm_connections == 0 and s.mapped_connections == 0, 10, what="the region to be released")
 
 
 @needs_shm
@@ -662,16 +680,124 @@ def test_local_cluster_workers_and_coordinator_use_shared_memory() -> None:
 
 
 @needs_shm
-def test_server_that_cannot_map_a_region_keeps_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The server reads a peer's region through its file (it never maps it): a read that fails
-    # (e.g. ENOMEM) refuses the region, and the connection goes on over the socket.
-    def read_failing(self: shm.PeerRegion) -> bytes:
+@pytest.mark.parametrize("kind", REGION_KINDS)
+def test_server_that_cannot_map_a_region_keeps_the_connection(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A read of the region that fails on the server (e.g. ENOMEM; the nonce is the first read of
+    # either kind) refuses the region, and the connection goes on over the socket.
+    _only(kind, monkeypatch)
+
+    def read_failing(*args: object) -> bytes:
         raise OSError(12, "Cannot allocate memory")
 
-    monkeypatch.setattr(shm.PeerRegion, "nonce", read_failing)
+    if kind == shm.SEALED:
+        monkeypatch.setattr(os, "pread", read_failing)  # the client never preads: only the server's check fails
+    else:
+        monkeypatch.setattr(shm.PeerRegion, "nonce", read_failing)
     with _echo_server() as s:
         c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
         data = np.arange(1 << 18, dtype=np.int32)
         assert np.array_equal(_echo(c, [data]).view(np.int32), data)
         assert c.shm_connections == 0 and s.shm_connections == 0 and c.offers_shared_memory
+        assert c.offered_kinds[0] == kind  # not "another host": the same kind is offered again
         c.close()
+
+
+@needs_sealed
+def test_server_that_cannot_reach_sealed_regions_gets_named_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a server in another PID namespace answers (FAILED_PRECONDITION, it cannot reach
+    # /proc/<pid>/fd/<fd>): the client offers a named region on the same connection, and new
+    # connections offer only named ones.
+    def unreachable(pid: int, fd: int, slot_bytes: int, nonce: bytes) -> shm.Region:
+        raise shm._elsewhere(f"cannot reach /proc/{pid}/fd/{fd} here")
+
+    monkeypatch.setattr(shm, "_open_sealed", unreachable)
+    with _echo_server() as s:
+        c = dataplane.DataPlaneClient("127.0.0.1", s.port, CREDS)  # type: ignore[arg-type]
+        assert c.offered_kinds == (shm.SEALED, shm.NAMED)
+        data = np.arange(1 << 18, dtype=np.int32)
+        assert np.array_equal(_echo(c, [data]).view(np.int32), data)
+        assert (c.shm_connections, c.mapped_connections, s.shm_connections, s.mapped_connections) == (1, 0, 1, 0)
+        assert c.offered_kinds == (shm.NAMED,)
+        c.close()
+
+
+def _sealed_memfd(size: int, nonce: bytes, seals: int) -> int:
+    fd = os.memfd_create("jaxdist-test", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, nonce, 0)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@needs_sealed
+def test_bad_sealed_shm_attach_requests_get_typed_errors_and_the_connection_survives(tmp_path: Any) -> None:
+    """A sealed region's name points into /proc: whatever else it points at is refused before
+    anything is written, with FAILED_PRECONDITION (the client then offers a named region)."""
+    bad_arg = grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    precondition = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+    slot, pid = 64 << 10, os.getpid()
+    size = shm.Region.size(slot)
+    nonce = os.urandom(16)
+    sealed = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+    unsealed = _sealed_memfd(size, nonce, 0)
+    grow_only = _sealed_memfd(size, nonce, fcntl.F_SEAL_GROW)
+    short = _sealed_memfd(size - 4096, nonce, sealed)
+    good = _sealed_memfd(size, nonce, sealed)
+    plain = tmp_path / "plain"
+    plain.write_bytes(nonce + bytes(size - 16))
+    plain_fd = os.open(plain, os.O_RDWR)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    fifo_fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    fds = [unsealed, grow_only, short, good, plain_fd, fifo_fd]
+    try:
+        with _echo_server() as s, _raw_to(s) as sock:
+            assert _hello(sock) == (0, "")
+            for name in (f"fd:0/{good}", f"fd:{pid}/-1", f"fd:{pid}/{good}/x", f"fd:{pid}", "fd:1/99999999999"):
+                assert _attach(sock, name, nonce, slot)[0] == bad_arg, name
+            for name, why in ((f"fd:{pid}/{unsealed}", "not sealed against shrinking"),
+                              (f"fd:{pid}/{grow_only}", "sealed, but shrinkable"),
+                              (f"fd:{pid}/{short}", "the wrong size"),
+                              (f"fd:{pid}/{plain_fd}", "a plain file with the nonce"),
+                              (f"fd:{pid}/{fifo_fd}", "a FIFO"),
+                              (f"fd:{pid}/{sock.fileno()}", "a socket"),
+                              (f"fd:{pid}/999999", "no such descriptor"),
+                              ("fd:4194999/3", "no such process")):
+                assert _attach(sock, name, nonce, slot)[0] == precondition, why
+            assert _attach(sock, f"fd:{pid}/{good}", os.urandom(16), slot)[0] == precondition  # another region's nonce
+            assert not _readable(fifo_fd)  # nothing was written into the FIFO
+            assert plain.read_bytes() == nonce + bytes(size - 16)  # nor into the plain file
+            assert s.shm_connections == 0
+            # The real one is mapped; from now on no process can shrink it under the server.
+            assert _attach(sock, f"fd:{pid}/{good}", nonce, slot) == (0, "")
+            assert (s.shm_connections, s.mapped_connections) == (1, 1)
+            with pytest.raises(PermissionError):
+                os.ftruncate(good, 0)
+            with pytest.raises(PermissionError):
+                fcntl.fcntl(good, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)  # sealed against more seals too
+            # A payload through the mapped region: one chunk in, reversed chunk back.
+            mm = mmap.mmap(good, size)
+            view = np.frombuffer(mm, np.uint8)
+            data = (np.arange(slot) % 251).astype(np.uint8)  # one whole slot (at least SHM_MIN_PAYLOAD)
+            sock.sendall(_request(dataplane.PUSH, b"h", payload_len=data.nbytes))
+            view[4096:4096 + data.nbytes] = data
+            sock.sendall(b"D")
+            assert _recv(sock, 1) == b"A"
+            magic, code, reason_len, body_len, payload_len = framing.RESPONSE.unpack(_recv(sock, framing.RESPONSE.size))
+            assert (code, payload_len) == (0, data.nbytes) and _recv(sock, reason_len + body_len) == b"h"
+            assert _recv(sock, 1) == b"D"
+            assert bytes(view[4096:4096 + data.nbytes]) == data[::-1].tobytes()
+            sock.sendall(b"A")
+            del view
+            mm.close()
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], 0)[0])
+

@@ -43,16 +43,26 @@ started request may take too, and detects dead idle peers with TCP keepalive.
 Same-host fast path (shared memory). Loopback TCP still costs two kernel
 copies per byte (~0.8 core-ms per MB for both ends); two ``memcpy`` through a
 shared mapping cost ~0.2. So a client first offers a shared-memory region
-(method 3, ``ShmAttach``): it creates ``/dev/shm/jaxdist-<random>`` (mode
-0600, pages reserved with ``posix_fallocate`` so a full tmpfs fails here
-and not with SIGBUS later), writes a random nonce at its start and sends the
-name, the nonce and the slot size. A server that can open that file (same
-host, same ``/dev/shm``, same user) and reads the same nonce keeps it open (and
-copies through the file, never a mapping: see :mod:`.shm`) and
-answers OK; the client then unlinks the file, so nothing is left behind even
-if both processes are SIGKILLed later. A server on another host answers
-FAILED_PRECONDITION and the client stops offering. ``JAXDIST_SHM=0`` turns
-it off in a process.
+(method 3, ``ShmAttach``: slot size, a random nonce written at the region's
+start, and the region's name), in two kinds, best first (see :mod:`.shm`):
+
+* a **sealed** ``memfd`` (pages reserved with ``posix_fallocate``, then sealed
+  against shrinking and growing), named ``fd:<pid>/<fd>``. A server that
+  reaches it through ``/proc/<pid>/fd/<fd>`` (same host, same PID namespace,
+  allowed to read the client's descriptors), finds the seal and reads the same
+  nonce **maps** it and answers OK; the client then closes its descriptor. The
+  seal means no process can shrink the file under the server's mapping.
+* a **named** file ``/dev/shm/jaxdist-<random>`` (mode 0600, reserved the same
+  way) for a server that shares ``/dev/shm`` but not the PID namespace. The
+  server opens it (same user), checks the nonce, keeps the descriptor and
+  copies through the file, never a mapping (a tmpfs file cannot be sealed, and
+  a truncated mapping would SIGBUS the server); the client then unlinks it.
+
+Nothing is left behind even if both processes are SIGKILLed later. A server
+that cannot reach a kind answers FAILED_PRECONDITION and the client stops
+offering that kind (then tries the next); any other refusal (e.g. the server's
+region budget) keeps that connection on the socket. ``JAXDIST_SHM=0`` turns
+shared memory off in a process, ``JAXDIST_SHM_SEALED=0`` its sealed kind.
 
 On a connection with a region, payloads of at least :data:`SHM_MIN_PAYLOAD`
 bytes move through its two slots instead of the socket; everything else
@@ -90,7 +100,7 @@ from jaxdist.transport.dataplane.framing import (
     enabled,
 )
 from jaxdist.transport.dataplane.server import DataPlaneServer, Handler, Payload
-from jaxdist.transport.dataplane.shm import ENV_SHM, SHM_DIR, SHM_MIN_PAYLOAD, SHM_SLOT_BYTES, shm_enabled
+from jaxdist.transport.dataplane.shm import ENV_SHM, ENV_SHM_SEALED, SHM_DIR, SHM_MIN_PAYLOAD, SHM_SLOT_BYTES, sealed_enabled, shm_enabled
 
 __all__ = [
     "DataPlaneClient",
@@ -98,6 +108,7 @@ __all__ = [
     "DataPlaneServer",
     "ENV_DATA_PLANE",
     "ENV_SHM",
+    "ENV_SHM_SEALED",
     "HELLO_MAGIC",
     "Handler",
     "MAX_HEADER_BYTES",
@@ -113,5 +124,6 @@ __all__ = [
     "SHM_MIN_PAYLOAD",
     "SHM_SLOT_BYTES",
     "enabled",
+    "sealed_enabled",
     "shm_enabled",
 ]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import select
 import socket
 import ssl
@@ -33,7 +32,7 @@ from jaxdist.transport.dataplane.framing import (
     status_code,
     tune,
 )
-from jaxdist.transport.dataplane.shm import ATTACH, SHM_SLOT_BYTES, Channel, create_region, shm_enabled, unlink
+from jaxdist.transport.dataplane.shm import NAMED, SEALED, SHM_SLOT_BYTES, Channel, make_offer, sealed_enabled, shm_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +60,12 @@ class DataPlaneClient:
     here: callers decide (Pull is idempotent; Push is deduped by ``update_id``).
 
     Each new connection offers a shared-memory region (``shared_memory``,
-    :func:`shm_enabled`); once a server answers that it cannot map it (another
-    host), this client stops offering. :attr:`shm_connections` counts the
-    connections that use one.
+    :func:`shm_enabled`): a sealed one first, which the server maps
+    (:func:`sealed_enabled`), then a named one, which it copies through. Once a
+    server answers that it cannot reach a kind (another host, PID namespace or
+    user), this client stops offering that kind. :attr:`shm_connections` counts
+    the connections that use a region, :attr:`mapped_connections` those whose
+    region the server maps.
 
     With TLS in ``credentials`` every connection starts with a TLS handshake
     that checks the server's certificate against ``credentials.tls.server_name``
@@ -80,17 +82,30 @@ class DataPlaneClient:
         self._token = credentials.token.encode() if credentials.token else b""
         self._connect_timeout = connect_timeout
         self._max_idle = max_idle
-        self._offer_shm = shared_memory and shm_enabled()
+        # Region kinds still worth offering, best first; a kind leaves once a server cannot reach it.
+        self._shm_kinds: list[str] = [] if not (shared_memory and shm_enabled()) else (
+            [SEALED, NAMED] if sealed_enabled() else [NAMED])
         self._slot_bytes = shm_slot_bytes
         self.shm_connections = 0
+        self.mapped_connections = 0
         self._idle: list[Channel] = []
         self._lock = threading.Lock()
         self._closed = False
 
     @property
     def offers_shared_memory(self) -> bool:
-        """Whether new connections still offer a region (False after a server said it cannot map one)."""
-        return self._offer_shm
+        """Whether new connections still offer a region (False after the server could reach no kind of region)."""
+        return bool(self._shm_kinds)
+
+    @property
+    def offered_kinds(self) -> tuple[str, ...]:
+        """The region kinds new connections still offer, in order (:data:`SEALED`, :data:`NAMED`)."""
+        return tuple(self._shm_kinds)
+
+    def _stop_offering(self, kind: str) -> None:
+        with self._lock:
+            if kind in self._shm_kinds:
+                self._shm_kinds.remove(kind)
 
     def close(self) -> None:
         with self._lock:
@@ -104,6 +119,7 @@ class DataPlaneClient:
         if chan.region is not None:
             with self._lock:
                 self.shm_connections -= 1
+                self.mapped_connections -= chan.kind == SEALED
         chan.close()
 
     def _connect(self, deadline: float) -> Channel:
@@ -135,7 +151,7 @@ class DataPlaneClient:
                 sock = chan.sock = tls_handshake(self._tls, sock, server_hostname=self._server_hostname)
             sock.sendall(HELLO.pack(HELLO_MAGIC, len(self._token)) + self._token)
             self._read_response(sock, deadline)
-            if self._offer_shm:
+            if self._shm_kinds:
                 self._attach(chan, deadline)
         except DataPlaneError as e:
             self._drop(chan)
@@ -150,31 +166,34 @@ class DataPlaneClient:
         return chan
 
     def _attach(self, chan: Channel, deadline: float) -> None:
-        """Offer a shared-memory region on a fresh connection; on any refusal it stays on the socket."""
-        made = create_region(self._slot_bytes)
-        if made is None:
-            self._offer_shm = False  # this host cannot make regions (no /dev/shm space): stop trying
-            return
-        path, region = made
-        try:
-            header = ATTACH.pack(self._slot_bytes, region.nonce()) + os.path.basename(path).encode()
-            chan.sock.sendall(REQUEST.pack(REQUEST_MAGIC, SHM_ATTACH, len(header), 0) + header)
+        """Offer a shared-memory region on a fresh connection, each kind in turn until one is taken;
+        on any other refusal the connection stays on the socket."""
+        for kind in self.offered_kinds:
+            offer = make_offer(kind, self._slot_bytes)
+            if offer is None:
+                self._stop_offering(kind)  # this host cannot make this kind (no memory, no memfd): stop trying
+                continue
             try:
-                self._read_response(chan.sock, deadline)
-            except DataPlaneError as e:
-                region.close()
-                if e.code == grpc.StatusCode.FAILED_PRECONDITION:
-                    self._offer_shm = False  # another host, or shared memory off there
-                logger.debug("data plane %s:%d: no shared memory (%s)", self.host, self.port, e.details)
-                return
-        except BaseException:
-            region.close()
-            raise
-        finally:
-            unlink(path)  # both ends have it mapped (or nobody needs it): no file is left behind
-        chan.attach(region)
-        with self._lock:
-            self.shm_connections += 1
+                chan.sock.sendall(REQUEST.pack(REQUEST_MAGIC, SHM_ATTACH, len(offer.header()), 0) + offer.header())
+                try:
+                    self._read_response(chan.sock, deadline)
+                except DataPlaneError as e:
+                    offer.region.close()
+                    logger.debug("data plane %s:%d: no %s shared memory (%s)", self.host, self.port, kind, e.details)
+                    if e.code != grpc.StatusCode.FAILED_PRECONDITION:
+                        return  # e.g. the server's region budget is full: this connection stays on the socket
+                    self._stop_offering(kind)  # another host, PID namespace or user, or shared memory off there
+                    continue
+            except BaseException:
+                offer.region.close()
+                raise
+            finally:
+                offer.release()  # both ends have it mapped or open (or nobody needs it): nothing is left behind
+            chan.attach(offer.region, kind)
+            with self._lock:
+                self.shm_connections += 1
+                self.mapped_connections += kind == SEALED
+            return
 
     def _checkout(self, deadline: float) -> Channel:
         while True:

@@ -51,7 +51,7 @@ from jaxdist.transport.dataplane.framing import (
     shutdown,
     tune,
 )
-from jaxdist.transport.dataplane.shm import DEFAULT_MAX_SHM_CONNECTIONS, Channel, open_region, shm_enabled
+from jaxdist.transport.dataplane.shm import DEFAULT_MAX_SHM_CONNECTIONS, NAMED, SEALED, Channel, Region, open_region, shm_enabled
 from jaxdist.transport.guard import guard
 
 logger = logging.getLogger(__name__)
@@ -148,6 +148,7 @@ class DataPlaneServer:
         self._shared_memory = shared_memory and shm_enabled()
         self._max_shm = max_shm_connections
         self._shm_conns = 0
+        self._mapped_conns = 0
         self.host = host
         self.requested_port = port
         self.port: int | None = None
@@ -239,6 +240,13 @@ class DataPlaneServer:
         """Connections whose payloads currently move through shared memory."""
         with self._lock:
             return self._shm_conns
+
+    @property
+    def mapped_connections(self) -> int:
+        """Of :attr:`shm_connections`, those whose region this server maps (sealed regions; the others
+        are copied through their file)."""
+        with self._lock:
+            return self._mapped_conns
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -342,6 +350,7 @@ class DataPlaneServer:
             with self._lock:
                 if chan is not None and chan.region is not None:
                     self._shm_conns -= 1
+                    self._mapped_conns -= chan.kind == SEALED
                 self._pending.pop(pending, None)
                 self._conns.discard(conn)
                 self._threads.discard(threading.current_thread())
@@ -349,7 +358,7 @@ class DataPlaneServer:
                 chan.close()
 
     def _attach(self, chan: Channel, header: bytes) -> None:
-        """ShmAttach: map the client's region (typed error: the client keeps using the socket)."""
+        """ShmAttach: open the client's region, mapped if sealed (typed error: the client keeps using the socket)."""
         if not self._shared_memory:
             raise E.RemoteError("ShmAttach: shared memory is off on this server",
                                 code=grpc.StatusCode.FAILED_PRECONDITION)
@@ -360,11 +369,15 @@ class DataPlaneServer:
                 raise E.PayloadTooLargeError(f"ShmAttach: {self._max_shm} connections already use shared memory")
             self._shm_conns += 1
         try:
-            chan.attach(open_region(header))
+            region = open_region(header)
         except BaseException:
             with self._lock:
                 self._shm_conns -= 1
             raise
+        kind = SEALED if isinstance(region, Region) else NAMED
+        chan.attach(region, kind)
+        with self._lock:
+            self._mapped_conns += kind == SEALED
 
     def _call(self, chan: Channel, head: bytes) -> bool:
         """Serve one request; False when the connection must end."""
