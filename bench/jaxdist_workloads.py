@@ -57,6 +57,7 @@ import numpy as np  # noqa: E402
 
 import bench_ps  # noqa: E402
 from bench_ps import MB, mlp_init, mlp_loss  # noqa: E402
+from staleness_option import parse_staleness, staleness_label  # noqa: E402
 
 # Closures built here reference bench_ps / this module by name; workers cannot import either
 # (bench/ is not on their path), so both travel by value inside the pickled closures.
@@ -423,31 +424,16 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
     return {"median": round(statistics.median(vals), ndigits), "runs": [round(v, ndigits) for v in vals]}
 
 
-def parse_staleness(text: str) -> int | None:
-    """``--staleness``: "async" (None, asynchronous updates) or an int >= 0 (``ParameterServerStrategy(staleness=)``)."""
-    if text == "async":
-        return None
-    try:
-        s = int(text)
-    except ValueError:
-        s = -1
-    if s < 0:
-        raise ValueError(f"staleness {text!r}: give async or an int >= 0 (0 is synchronous)")
-    return s
-
-
-def staleness_label(s: int | None) -> str:
-    return "async" if s is None else str(s)
-
-
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
                 grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False,
-                mlp_mode: str = "pull_push", staleness: int | None = None, staleness_given: bool = False) -> None:
-    """Run ``workloads`` on one cluster, printing a JSON line per figure. ``staleness_given``: the MLP
-    records carry ``"staleness"`` (its label) even when asynchronous, so side-by-side modes are told apart."""
+                mlp_mode: str = "pull_push", staleness_mode: str | None = None) -> None:
+    """Run ``workloads`` on one cluster, printing a JSON line per figure. ``staleness_mode``: None (not
+    asked: asynchronous, records as before) or ``--staleness``'s text ("async" or an int >= 0); when
+    given, the MLP records carry ``"staleness"`` (its label), so side-by-side modes are told apart."""
+    staleness = None if staleness_mode is None else parse_staleness(staleness_mode)
     if "mlp" in workloads:
         _transfer_dtype(grad_dtype)  # fail before starting any process
-    if (staleness is not None or staleness_given) and set(workloads) != {"mlp"}:
+    if staleness_mode is not None and set(workloads) != {"mlp"}:
         raise SystemExit("--staleness measures the MLP only: give --workload mlp")
     if staleness is not None and mlp_mode != "pull_push":
         raise SystemExit(f"--mlp-mode {mlp_mode} moves values outside the step barrier; staleness {staleness} "
@@ -475,7 +461,7 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
             extra = {} if pull_dtype == "float32" else {"pull_dtype": pull_dtype}
             if mlp_mode != "pull_push":
                 extra["mlp_mode"] = mlp_mode
-            if staleness is not None or staleness_given:
+            if staleness_mode is not None:
                 extra["staleness"] = staleness_label(staleness)
             before, loss0 = b.applied_steps(), b.mlp_loss_now()
             figures = _runs(lambda: b.mlp_rate(mlp_steps), repeats, 2)
@@ -486,7 +472,7 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
                 extra["applied_steps"] = after - before
             emit(**common, workload="mlp_steps_per_s", batch=BATCH, steps=mlp_steps, grad_dtype=grad_dtype, **extra,
                  **figures)
-            if given and staleness_given:  # a staleness run is MLP only: say how its tensors moved
+            if given and staleness_mode is not None:  # a staleness run is MLP only: say how its tensors moved
                 emit(system="jaxdist", kind="transport", **b.transports())
         if "mlp_phases" in workloads:
             runs = [b.mlp_phases(mlp_steps) for _ in range(repeats)]
@@ -529,8 +515,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", choices=WORKLOAD_CHOICES, default="all")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--ps", type=int, default=2, help="PS tasks (the 64 MB variable has one shard per PS)")
+    ap.add_argument("--workers", type=int, default=None, help="worker tasks (default 2; not with --given-cluster)")
+    ap.add_argument("--ps", type=int, default=None,
+                    help="PS tasks, the 64 MB variable has one shard per PS (default 2; not with --given-cluster)")
     ap.add_argument("--mlp-steps", type=int, default=200)
     ap.add_argument("--noop-closures", type=int, default=5000, help="closures per no-op run")
     ap.add_argument("--grad-dtype", choices=("float32", "bfloat16"), default="float32",
@@ -548,12 +535,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
     ap.add_argument("--given-cluster", action="store_true",
                     help="coordinate the running cluster jaxdist.cluster_resolver.detect() finds (JAXDIST_CLUSTER + "
-                         "JAXDIST_TOKEN, TF_CONFIG, Slurm) instead of starting a LocalCluster; --workers/--ps are ignored")
+                         "JAXDIST_TOKEN, TF_CONFIG, Slurm) instead of starting a LocalCluster; its task counts are "
+                         "the cluster's, so --workers/--ps are refused")
     args = ap.parse_args(argv)
-    try:
-        staleness = None if args.staleness is None else parse_staleness(args.staleness)
-    except ValueError as e:
-        ap.error(str(e))
+    if args.given_cluster and (args.workers is not None or args.ps is not None):
+        ap.error("--workers/--ps size a LocalCluster; with --given-cluster the counts are the given cluster's")
+    workers = 2 if args.workers is None else args.workers
+    ps = 2 if args.ps is None else args.ps
+    if args.staleness is not None:
+        try:
+            parse_staleness(args.staleness)
+        except ValueError as e:
+            ap.error(str(e))
 
     import jax
 
@@ -566,9 +559,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         jd = [w for w in workloads if w in JAXDIST_WORKLOADS or w in PROFILE_WORKLOADS]
         if jd:
-            run_jaxdist(jd, args.repeats, args.workers, args.ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
+            run_jaxdist(jd, args.repeats, workers, ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
                         args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster, mlp_mode=args.mlp_mode,
-                        staleness=staleness, staleness_given=args.staleness is not None)
+                        staleness_mode=args.staleness)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

@@ -126,6 +126,7 @@ sys.path.insert(0, HERE)
 
 import compare_tf  # noqa: E402  (find_tf_python, the same TF interpreter lookup)
 import tf_workloads  # noqa: E402  (server_command / server_env: the TF server processes; no TF import)
+from staleness_option import parse_staleness, staleness_label  # noqa: E402  (no jaxdist import)
 
 TF_SCRIPT = os.path.join(HERE, "tf_workloads.py")
 JAXDIST_SCRIPT = os.path.join(HERE, "jaxdist_workloads.py")
@@ -1033,9 +1034,10 @@ def main(argv: list[str] | None = None) -> int:
     if set(args.systems) - {"tf", "jaxdist"}:
         ap.error(f"--systems: tf and/or jaxdist, not {args.systems}")
     args.staleness_modes = [m.strip() for m in args.staleness_modes.split(",") if m.strip()]
-    for m in args.staleness_modes:
-        if m != "async" and not m.isdigit():  # what jaxdist_workloads.py --staleness takes
-            ap.error(f"--staleness-modes: {m!r} is neither async nor an int >= 0")
+    try:  # each as jaxdist_workloads.py --staleness takes it, written as its records label it
+        args.staleness_modes = [staleness_label(parse_staleness(m)) for m in args.staleness_modes]
+    except ValueError as e:
+        ap.error(f"--staleness-modes: {e}")
     if len(set(args.staleness_modes)) != len(args.staleness_modes):
         ap.error(f"--staleness-modes: each mode once, not {args.staleness_modes}")
     if args.profile and args.staleness_modes:

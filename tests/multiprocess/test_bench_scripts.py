@@ -53,8 +53,10 @@ def test_jaxdist_workloads_noop_json_schema() -> None:
     (["--staleness", "sync"], "give async or an int >= 0"),
     (["--staleness", "0", "--workload", "noop"], "--staleness measures the MLP only"),
     (["--staleness", "1", "--workload", "mlp", "--mlp-mode", "prefetch"], "need --mlp-mode pull_push"),
+    (["--given-cluster", "--workers", "3"], "with --given-cluster the counts are the given cluster's"),
+    (["--given-cluster", "--ps", "1"], "with --given-cluster the counts are the given cluster's"),
 ])
-def test_jaxdist_workloads_refuses_staleness_it_cannot_measure(argv: list[str], says: str) -> None:
+def test_jaxdist_workloads_refuses_what_it_cannot_measure(argv: list[str], says: str) -> None:
     r = subprocess.run([sys.executable, str(BENCH / "jaxdist_workloads.py"), *argv], capture_output=True, text=True,
                        timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, (r.stdout, r.stderr[-2000:])
