@@ -311,14 +311,18 @@ class PSClient(ServiceClient):
             res = self._data_plane_call(dataplane.PULL, req.SerializeToString(), (), timeout, receive)
             if res is not None:
                 return got["header"], res[1]
-        with self._calling() as metadata:
-            stream = self._pull(req, metadata=metadata, timeout=timeout)
-            header = ps_pb2.PullHeader.FromString(next(stream))
-            reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out))
-            for frame in stream:
-                reader.feed(frame)
-            arrays = reader.finish()
-        return header, arrays
+        return self._read_stream(lambda metadata, left: self._read_pull(
+            self._pull(req, metadata=metadata, timeout=left), out), timeout)
+
+    @staticmethod
+    def _read_pull(stream: Iterator[bytes], out: Sequence[np.ndarray | None] | None
+                   ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
+        """A gRPC Pull's (or PushPull's) answer: its header message, then raw frames into their arrays."""
+        header = ps_pb2.PullHeader.FromString(next(stream))
+        reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out))
+        for frame in stream:
+            reader.feed(frame)
+        return header, reader.finish()
 
     # -------------------------------------------------------------------- push
     @staticmethod
@@ -377,14 +381,9 @@ class PSClient(ServiceClient):
             res = self._data_plane_call(dataplane.PUSH_PULL, header.SerializeToString(), arrays, timeout, receive)
             if res is not None:
                 return got["header"], res[1]
-        with self._calling() as metadata:
-            stream = self._push_pull(self._frames(header, arrays), metadata=metadata, timeout=timeout)
-            answer = ps_pb2.PullHeader.FromString(next(stream))
-            reader = codec.FrameReader(*ps_wire.pull_payload_specs(answer, out))
-            for frame in stream:
-                reader.feed(frame)
-            values = reader.finish()
-        return answer, values
+        # The request stream is built anew for each attempt: a call refused as busy is made again.
+        return self._read_stream(lambda metadata, left: self._read_pull(
+            self._push_pull(self._frames(header, arrays), metadata=metadata, timeout=left), out), timeout)
 
     def push_step(
         self, updates: Sequence[Update], update_id: str, contributor: int, commit: bool = False, step: int = -1,

@@ -1,7 +1,7 @@
 """ServiceClient: the one base of every jaxdist gRPC client (deadline, metadata, error mapping).
 
-Every call a subclass makes goes through :meth:`ServiceClient._call` (unary)
-or inside :meth:`ServiceClient._calling` (streams), which
+Every call a subclass makes goes through :meth:`ServiceClient._call` (unary
+responses) or :meth:`ServiceClient._read_stream` (response streams), which
 
 - sends the credentials' token (``authorization`` metadata) with it,
 - gives it a deadline (a ``timeout`` is required: no call waits forever),
@@ -12,7 +12,8 @@ or inside :meth:`ServiceClient._calling` (streams), which
 - makes a call the server refused as busy (:class:`~jaxdist.base.errors.ServerBusyError`:
   the method's admission cap was full, nothing was done) again, jittered and
   doubling from :data:`BUSY_RETRY_S`, until the call's own deadline; a request
-  stream can be made again only when given as a function that builds it.
+  stream can be made again only when given as a function that builds it (a
+  response stream is refused before its first message, so it is read anew).
 
 Subclasses set :attr:`SERVICE` and :attr:`ROLE` and build their methods with
 :meth:`_unary` (protobuf messages) or on :attr:`channel` directly.
@@ -24,7 +25,6 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any, ClassVar, TypeVar
 
 import grpc
@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 BUSY_RETRY_S = (0.01, 0.5)
 
 _Self = TypeVar("_Self", bound="ServiceClient")
+_T = TypeVar("_T")
 
 
 class ServiceClient:
@@ -87,14 +88,26 @@ class ServiceClient:
         (``ServerBusyError``) is made again until ``timeout`` seconds have passed since the first
         attempt; then the last refusal is raised.
         """
-        deadline = time.monotonic() + timeout
         again = callable(request) or not isinstance(request, Iterator)
+        return self._attempts(
+            lambda left: method(request() if callable(request) else request, metadata=self._metadata, timeout=left,
+                                **kwargs), timeout, again)
+
+    def _read_stream(self, call: Callable[[tuple[tuple[str, str], ...], float], _T], timeout: float) -> _T:
+        """A response-streaming call: ``call(metadata, timeout)`` starts it (any request stream built
+        anew inside) and reads it whole. Typed errors; a busy refusal, which comes before the first
+        response message, makes the whole call again as :meth:`_call` does."""
+        return self._attempts(lambda left: call(self._metadata, left), timeout, True)
+
+    def _attempts(self, attempt: Callable[[float], _T], timeout: float, again: bool) -> _T:
+        """``attempt(seconds left)`` until it returns, or raises something other than a busy refusal
+        (``again``: whether it may be made twice), or ``timeout`` seconds have passed."""
+        deadline = time.monotonic() + timeout
         wait, longest = BUSY_RETRY_S
         left = timeout
         while True:
             try:
-                return method(request() if callable(request) else request, metadata=self._metadata, timeout=left,
-                              **kwargs)
+                return attempt(left)
             except grpc.RpcError as e:
                 err = self.error(e)
             pause = wait * random.uniform(0.5, 1.5)
@@ -108,14 +121,6 @@ class ServiceClient:
     def _future(self, method: grpc.UnaryUnaryMultiCallable, request: Any, timeout: float | None, **kwargs: Any) -> grpc.Future:
         """Start ``method`` asynchronously with the token; map its failure with :meth:`error`."""
         return method.future(request, metadata=self._metadata, timeout=timeout, **kwargs)
-
-    @contextmanager
-    def _calling(self) -> Iterator[tuple[tuple[str, str], ...]]:
-        """For streaming calls: yields the metadata to send; a failed call inside becomes its typed error."""
-        try:
-            yield self._metadata
-        except grpc.RpcError as e:
-            raise self.error(e) from None
 
     def error(self, e: grpc.RpcError) -> E.JaxdistError:
         """The typed error for a failed call to this task."""

@@ -15,7 +15,7 @@ from jaxdist.base import errors as E
 from jaxdist.proto import status
 from jaxdist.transport import admission
 from jaxdist.transport.client import ServiceClient
-from jaxdist.transport.handlers import stream_in_handler, unary_handler
+from jaxdist.transport.handlers import stream_in_handler, stream_stream_handler, unary_handler
 from jaxdist.transport.server import Server
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,11 +34,18 @@ def _drain(frames: Iterator[bytes], context: grpc.ServicerContext) -> _Empty:
     return _Empty()
 
 
+def _echo(frames: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    """Streams back what it was sent, once the request ends (as PushPull answers after its push)."""
+    got = list(frames)
+    yield from got
+
+
 @pytest.fixture
 def server() -> Iterator[Server]:
     s = Server(credentials=CREDS)
     s.add_service("t.Svc", {
         "Drain": stream_in_handler("Drain", _drain),
+        "Echo": stream_stream_handler("Echo", _echo),
         "Ping": unary_handler("Ping", lambda raw: raw, lambda req, ctx: _Empty()),
     }, liveness=["Ping"])
     s.start()
@@ -129,6 +136,7 @@ class _DrainClient(ServiceClient):
         super().__init__(address, CREDS, task="ps:0")
         self.busy = 0
         self._drain = self.channel.stream_unary(self._path("Drain"))
+        self._echo = self.channel.stream_stream(self._path("Echo"))
 
     def error(self, e: grpc.RpcError) -> E.JaxdistError:
         err = super().error(e)
@@ -138,12 +146,19 @@ class _DrainClient(ServiceClient):
     def drain(self, request: Any, timeout: float) -> bytes:
         return self._call(self._drain, request, timeout)
 
+    def echo(self, frames: list[bytes], timeout: float) -> list[bytes]:
+        """A response stream read whole (as PSClient's gRPC Pull and PushPull)."""
+        return self._read_stream(lambda md, left: list(self._echo(iter(frames), metadata=md, timeout=left)), timeout)
 
-def _fill_cap(server: Server, ch: grpc.Channel, held: _Held) -> None:
-    drain = ch.stream_unary("/t.Svc/Drain")
+
+def _fill_cap(server: Server, ch: grpc.Channel, held: _Held, method: str = "Drain") -> None:
+    if method == "Drain":
+        call = ch.stream_unary("/t.Svc/Drain").future
+    else:
+        call = ch.stream_stream(f"/t.Svc/{method}")
     for _ in range(admission.STREAMS.cap):
-        held.calls.append(drain.future(held.frames(), metadata=MD))
-    poll_for(lambda: server.in_flight("/t.Svc/Drain") == admission.STREAMS.cap, 30, what="the streams to be admitted")
+        held.calls.append(call(held.frames(), metadata=MD))
+    poll_for(lambda: server.in_flight(f"/t.Svc/{method}") == admission.STREAMS.cap, 30, what="the streams to be admitted")
 
 
 def test_a_call_refused_as_busy_is_made_again_until_a_slot_frees(server: Server) -> None:
@@ -174,5 +189,28 @@ def test_a_busy_call_gives_up_at_its_deadline_and_a_stream_iterator_is_not_resen
             with pytest.raises(E.ServerBusyError):  # an iterator cannot be sent twice: raised at the first refusal
                 client.drain(iter([b"y"]), timeout=30)
             assert client.busy == before + 1
+        finally:
+            held.close()
+
+
+def test_a_response_stream_refused_as_busy_is_read_again_until_a_slot_frees(server: Server) -> None:
+    held, result = _Held(), []
+    with grpc.insecure_channel(server.address) as ch, _DrainClient(server.address) as client:
+        try:
+            _fill_cap(server, ch, held, "Echo")
+            t = threading.Thread(target=lambda: result.append(client.echo([b"a", b"b"], timeout=60)))
+            t.start()
+            poll_for(lambda: client.busy >= 2, 30, what="the stream to be refused and made again")
+            assert not result  # still waiting: refused, not failed
+            held.close()
+            t.join(30)
+            assert result == [[b"a", b"b"]] and not t.is_alive()
+            poll_for(lambda: server.in_flight("/t.Svc/Echo") == 0, 30, what="the held streams to end")
+            held = _Held()
+            _fill_cap(server, ch, held, "Echo")
+            before = client.busy
+            with pytest.raises(E.ServerBusyError):  # and at its deadline it gives up, typed
+                client.echo([b"c"], timeout=0.5)
+            assert client.busy >= before + 2
         finally:
             held.close()
