@@ -259,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="jaxdist's MLP step (jaxdist_workloads.py --mlp-mode): pull_push (default, the same step as "
                          "TF's), prefetch (the next pull overlaps this step; up to one own step stale) or fused "
                          "(push_pull); TF's step is always pull, gradient, push")
+    ap.add_argument("--bulk-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype jaxdist's pull/push workloads move the 64 MB float32 variable in (bfloat16: half the "
+                         "bytes; see jaxdist_workloads.py); TF's stay float32")
     ap.add_argument("--repeats-per-run", type=int, default=1, help="timed runs inside each subprocess")
     ap.add_argument("--mlp-steps", type=int, default=200)
     ap.add_argument("--noop-closures", type=int, default=5000)
@@ -272,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = {"kind": "config", "rounds": args.rounds, "workers": args.workers, "grad_dtype": args.grad_dtype,
               "jaxdist_mlp_mode": args.mlp_mode, "jaxdist_pull_dtype": args.pull_dtype,
-              "repeats_per_run": args.repeats_per_run, "mlp_steps": args.mlp_steps, "noop_closures": args.noop_closures,
+              "jaxdist_bulk_dtype": args.bulk_dtype, "repeats_per_run": args.repeats_per_run, "mlp_steps": args.mlp_steps, "noop_closures": args.noop_closures,
               "tf_python": tf_python, "tf_version": tf_info if tf_python else None, "jaxdist_python": args.jaxdist_python,
               "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
     out_lines: list[dict[str, Any]] = [config]
@@ -290,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "tf": [tf_python or "", TF_SCRIPT, "--workload", "all", *common, *scale],
         "jaxdist": [args.jaxdist_python, JAXDIST_SCRIPT, "--workload", "all", *common, *scale,
                     "--grad-dtype", args.grad_dtype, "--mlp-mode", args.mlp_mode,
-                    "--pull-dtype", args.pull_dtype],
+                    "--pull-dtype", args.pull_dtype, "--bulk-dtype", args.bulk_dtype],
         "references": [args.jaxdist_python, JAXDIST_SCRIPT, "--workload", "references", *common],
     }
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu"), "TF_CPP_MIN_LOG_LEVEL": "2",
@@ -320,7 +323,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = summarize(records)
     for row in rows:
-        row.update(workers=args.workers, grad_dtype=args.grad_dtype, rounds=args.rounds, tf_available=tf_python is not None)
+        row.update(workers=args.workers, grad_dtype=args.grad_dtype, bulk_dtype=args.bulk_dtype, rounds=args.rounds,
+                   tf_available=tf_python is not None)
         print(json.dumps(row), flush=True)
     out_lines.extend(rows)
     if args.out:

@@ -22,6 +22,13 @@ and the references, measured by ``bench_ps.py``'s own code ("system": "reference
 
 --size-mb N makes the pull/push variable N MB instead of 64 (workloads pull_<N>MB_MBps, push_<N>MB_MBps).
 
+--bulk-dtype bfloat16 moves the pull/push variable's bytes as bfloat16 (half the bytes on the wire;
+the variable stays float32 on the PS): the pull is ``jaxdist.pull(var, dtype=bfloat16)``, rounded
+once per version on the PS; the push is a bfloat16 gradient, ``var.apply_gradient(delta)``, applied
+by the PS in float32 with ``optax.sgd(1.0)`` (v -= delta), since only gradients may travel narrower
+than their variable. MB/s still count the float32 variable's MB; the records say
+``"wire_dtype": "bfloat16"`` and the push's op.
+
 Given cluster: with --given-cluster no LocalCluster is started; this script is the coordinator of
 the cluster that ``jaxdist.cluster_resolver.detect()`` finds (``JAXDIST_CLUSTER`` and
 ``JAXDIST_TOKEN`` as ``jaxdist launch`` exports them, or TF_CONFIG, or Slurm), e.g. ``jaxdist ps``
@@ -146,17 +153,37 @@ def _make_pull_closure(var: Any, pulls: int, per_pull_times: bool = False) -> An
     return pull_closure
 
 
-def _make_push_closure(var: Any, n: int, pushes: int) -> Any:
+def _make_pull_closure_as(var: Any, pulls: int, dtype: Any) -> Any:
+    """``_make_pull_closure`` with the values pulled in ``dtype`` (``jaxdist.pull(var, dtype=)``)."""
+    def pull_closure() -> float:
+        import time as _t
+
+        import jaxdist as _jd
+
+        _jd.pull(var, dtype=dtype)  # warm
+        t0 = _t.perf_counter()
+        for _ in range(pulls):
+            _jd.pull(var, dtype=dtype)
+        return _t.perf_counter() - t0
+
+    return pull_closure
+
+
+def _make_push_closure(var: Any, n: int, pushes: int, gradient_dtype: Any = None) -> Any:
+    """``pushes`` timed pushes of a delta of ``n`` elements: ``assign_add`` of a float32 delta, or with
+    ``gradient_dtype`` an ``apply_gradient`` of a delta in that dtype (a narrower gradient travels as it is)."""
     def push_closure() -> float:
         import time as _t
 
         import numpy as _np
 
-        delta = _np.ones(n, _np.float32)  # made on the worker: closures ship code, not data
-        var.assign_add(delta)  # warm
+        # Made on the worker: closures ship code, not data.
+        delta = _np.ones(n, _np.float32 if gradient_dtype is None else gradient_dtype)
+        push = var.assign_add if gradient_dtype is None else var.apply_gradient
+        push(delta)  # warm
         t0 = _t.perf_counter()
         for _ in range(pushes):
-            var.assign_add(delta)
+            push(delta)
         return _t.perf_counter() - t0
 
     return push_closure
@@ -315,12 +342,13 @@ class JaxdistBench:
         self._n += 1
         return f"{prefix}{self._n}"
 
-    def variable(self, mb: float) -> Any:
-        """A zero float32 variable of ``mb`` MiB, in ``shards`` shards."""
+    def variable(self, mb: float, optimizer: Any = None) -> Any:
+        """A zero float32 variable of ``mb`` MiB, in ``shards`` shards (with ``optimizer`` on the PS)."""
         import jaxdist
 
         with self.strategy.scope():
-            return jaxdist.create_variable(np.zeros(int(mb * MB) // 4, np.float32), name=self._name("big"))
+            return jaxdist.create_variable(np.zeros(int(mb * MB) // 4, np.float32), name=self._name("big"),
+                                           optimizer=optimizer)
 
     # -- (a) no-op closures
     def noop_rate(self, n: int) -> float:
@@ -332,12 +360,14 @@ class JaxdistBench:
         return n / (time.perf_counter() - t)
 
     # -- (b) bulk transfer: every worker at once
-    def transfer_rate(self, kind: str, var: Any, mb: float, per_closure: int = 3) -> float:
-        """MB/s moved by one closure per worker, each doing ``per_closure`` pulls or pushes of ``var``."""
+    def transfer_rate(self, kind: str, var: Any, mb: float, per_closure: int = 3, wire_dtype: Any = None) -> float:
+        """MB/s (of the float32 variable) moved by one closure per worker, each doing ``per_closure``
+        pulls or pushes of ``var``; ``wire_dtype`` (bfloat16): the bytes travel narrower (module docstring)."""
         if kind == "pull":
-            fn = _make_pull_closure(var, per_closure)
+            fn = (_make_pull_closure(var, per_closure) if wire_dtype is None
+                  else _make_pull_closure_as(var, per_closure, wire_dtype))
         elif kind == "push":
-            fn = _make_push_closure(var, int(mb * MB) // 4, per_closure)
+            fn = _make_push_closure(var, int(mb * MB) // 4, per_closure, wire_dtype)
         else:
             raise ValueError(kind)
         rvs = [self.coord.schedule(fn) for _ in range(self.workers)]
@@ -426,13 +456,14 @@ def _runs(fn: Any, repeats: int, ndigits: int = 1) -> dict[str, Any]:
 
 def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_steps: int, noop_closures: int,
                 grad_dtype: str, pull_dtype: str = "float32", size_mb: int = 64, given: bool = False,
-                mlp_mode: str = "pull_push", staleness_mode: str | None = None) -> None:
+                mlp_mode: str = "pull_push", staleness_mode: str | None = None, bulk_dtype: str = "float32") -> None:
     """Run ``workloads`` on one cluster, printing a JSON line per figure. ``staleness_mode``: None (not
     asked: asynchronous, records as before) or ``--staleness``'s text ("async" or an int >= 0); when
     given, the MLP records carry ``"staleness"`` (its label), so side-by-side modes are told apart."""
     staleness = None if staleness_mode is None else parse_staleness(staleness_mode)
+    wire = _transfer_dtype(bulk_dtype)  # fail before starting any process
     if "mlp" in workloads:
-        _transfer_dtype(grad_dtype)  # fail before starting any process
+        _transfer_dtype(grad_dtype)
     if staleness_mode is not None and set(workloads) != {"mlp"}:
         raise SystemExit("--staleness measures the MLP only: give --workload mlp")
     if staleness is not None and mlp_mode != "pull_push":
@@ -447,12 +478,17 @@ def run_jaxdist(workloads: list[str], repeats: int, workers: int, ps: int, mlp_s
             emit(**common, workload="noop_closures_per_s", closures=noop_closures,
                  **_runs(lambda: b.noop_rate(noop_closures), repeats))
         if "pull" in workloads or "push" in workloads:
-            var = b.variable(size_mb)
+            import optax
+
+            # A narrower push is a gradient: the PS applies it with SGD(1.0), v -= delta.
+            var = b.variable(size_mb, None if wire is None else optax.sgd(1.0))
+            wire_info = {} if wire is None else {"wire_dtype": bulk_dtype}
             for kind in ("pull", "push"):
                 if kind in workloads:
-                    b.transfer_rate(kind, var, size_mb)  # one untimed warm-up run, as tf_workloads.py does
-                    emit(**common, workload=f"{kind}_{size_mb}MB_MBps", shards=b.shards,
-                         **_runs(lambda kind=kind: b.transfer_rate(kind, var, size_mb), repeats))
+                    b.transfer_rate(kind, var, size_mb, wire_dtype=wire)  # one untimed warm-up run, as tf_workloads.py does
+                    op = {"push_op": "assign_add" if wire is None else "apply_gradient(sgd 1.0)"} if kind == "push" else {}
+                    emit(**common, workload=f"{kind}_{size_mb}MB_MBps", shards=b.shards, **wire_info, **op,
+                         **_runs(lambda kind=kind: b.transfer_rate(kind, var, size_mb, wire_dtype=wire), repeats))
             if given:
                 emit(system="jaxdist", kind="transport", **b.transports())
         if "mlp" in workloads or "mlp_phases" in workloads:
@@ -533,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                          "mean of every worker's gradient); MLP only (--workload mlp, --mlp-mode pull_push); the MLP "
                          "record then carries it (and the optimizer steps applied)")
     ap.add_argument("--size-mb", type=int, default=64, help="MB of the pull/push variable (workload names follow)")
+    ap.add_argument("--bulk-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype the pull/push variable's bytes travel in (bfloat16: pull(dtype=), a bfloat16 gradient "
+                         "push; see the module docstring)")
     ap.add_argument("--given-cluster", action="store_true",
                     help="coordinate the running cluster jaxdist.cluster_resolver.detect() finds (JAXDIST_CLUSTER + "
                          "JAXDIST_TOKEN, TF_CONFIG, Slurm) instead of starting a LocalCluster; its task counts are "
@@ -561,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
         if jd:
             run_jaxdist(jd, args.repeats, workers, ps, args.mlp_steps, args.noop_closures, args.grad_dtype,
                         args.pull_dtype, size_mb=args.size_mb, given=args.given_cluster, mlp_mode=args.mlp_mode,
-                        staleness_mode=args.staleness)
+                        staleness_mode=args.staleness, bulk_dtype=args.bulk_dtype)
         refs = [w for w in workloads if w in REFERENCE_WORKLOADS]
         if refs:
             run_references(refs, args.repeats, args.mlp_steps)

@@ -83,7 +83,9 @@ mlp_phases``). Lines ``"kind": "profile"``; CPU differences of small runs are wi
 ``jaxdist.pull(prefetch_next=True)`` (the next step's pull overlaps this step's compute and push on
 the full-duplex links; a step may miss its own previous gradients) or ``jaxdist.push_pull`` (one
 round trip per step); --grad-dtype/--pull-dtype bfloat16 send jaxdist's MLP gradients/parameters in
-bfloat16 (TF's stay float32). The config line records them.
+bfloat16 (TF's stay float32); --bulk-dtype bfloat16 moves jaxdist's 64 MB pull/push variable in
+bfloat16 (a pull with ``dtype=``, a bfloat16 gradient push; MB/s count the float32 variable; TF's stay
+float32). The config line records them.
 
 --staleness-modes async,0[,s...] adds, per round and after the systems' runs, one MLP-only jaxdist
 run per mode (``ParameterServerStrategy(staleness=)``; each step a pull and a push, as TF's; the
@@ -96,7 +98,7 @@ Every namespace, process and temporary file is removed on exit, Ctrl-C and SIGTE
 Usage: python bench/netbench.py [--rounds 3] [--rates 1gbit,5gbit] [--size-mb 64] [--mlp-steps 200]
        [--noop-closures 5000] [--tf-python PATH] [--out bench/results/netbench.jsonl] [--profile [RATE]]
        [--mlp-mode pull_push|prefetch|fused] [--grad-dtype float32|bfloat16] [--pull-dtype float32|bfloat16]
-       [--staleness-modes async,0]
+       [--bulk-dtype float32|bfloat16] [--staleness-modes async,0]
 """
 
 from __future__ import annotations
@@ -803,7 +805,8 @@ class Runner:
         if system == "tf":
             return [self.tf_python or "", TF_SCRIPT, *common]
         mode = ["--mlp-mode", a.mlp_mode] if staleness is None else ["--mlp-mode", "pull_push", "--staleness", staleness]
-        return [a.jaxdist_python, JAXDIST_SCRIPT, *common, *mode, "--grad-dtype", a.grad_dtype, "--pull-dtype", a.pull_dtype]
+        return [a.jaxdist_python, JAXDIST_SCRIPT, *common, *mode, "--grad-dtype", a.grad_dtype, "--pull-dtype", a.pull_dtype,
+                "--bulk-dtype", a.bulk_dtype]
 
     def run_system(self, lab: Lab, system: str, workload: str, repeats: int, tags: dict[str, Any],
                    measure: bool = False, staleness: str | None = None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
@@ -1009,6 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="dtype jaxdist's MLP gradients travel in (TF's stay float32)")
     ap.add_argument("--pull-dtype", choices=("float32", "bfloat16"), default="float32",
                     help="dtype jaxdist's MLP parameters are pulled in (TF's stay float32)")
+    ap.add_argument("--bulk-dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="dtype jaxdist's pull/push workloads move the float32 variable in (bfloat16: half the bytes on "
+                         "the links; see jaxdist_workloads.py); TF's stay float32")
     ap.add_argument("--staleness-modes", default="",
                     help="comma-separated ParameterServerStrategy(staleness=) modes (async or an int >= 0, e.g. "
                          "async,0,2): per round, after the systems, one jaxdist MLP-only run per mode (pull_push "
@@ -1066,7 +1072,7 @@ def main(argv: list[str] | None = None) -> int:
                  "jaxdist_python": args.jaxdist_python, "size_mb": args.size_mb, "mlp_steps": args.mlp_steps,
                  "noop_closures": args.noop_closures, "repeats_per_run": args.repeats_per_run,
                  "jaxdist_mlp_mode": args.mlp_mode, "jaxdist_grad_dtype": args.grad_dtype,
-                 "jaxdist_pull_dtype": args.pull_dtype, "staleness_modes": args.staleness_modes,
+                 "jaxdist_pull_dtype": args.pull_dtype, "jaxdist_bulk_dtype": args.bulk_dtype, "staleness_modes": args.staleness_modes,
                  "latency": args.latency, "burst": args.burst,
                  "jaxdist_env": {} if args.allow_shm else {"JAXDIST_SHM": "0"},
                  "profile": args.profile, "cpus": os.cpu_count(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")})

@@ -47,6 +47,27 @@ def test_jaxdist_workloads_noop_json_schema() -> None:
     assert len(rec["runs"]) == 1 and rec["runs"][0] == rec["median"]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("bulk", ["float32", "bfloat16"])
+def test_jaxdist_workloads_pull_push_records_say_what_travelled(bulk: str) -> None:
+    r = subprocess.run(
+        [sys.executable, str(BENCH / "jaxdist_workloads.py"), "--workload", "all", "--repeats", "1", "--workers", "1",
+         "--noop-closures", "50", "--mlp-steps", "4", "--size-mb", "1", "--bulk-dtype", bulk],
+        capture_output=True, text=True, timeout=210, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = {rec["workload"]: rec for rec in map(json.loads, r.stdout.splitlines()[1:])}
+    pull, push = recs["pull_1MB_MBps"], recs["push_1MB_MBps"]
+    assert pull["median"] > 0 and push["median"] > 0
+    if bulk == "float32":
+        assert "wire_dtype" not in pull and push["push_op"] == "assign_add"
+    else:
+        assert pull["wire_dtype"] == push["wire_dtype"] == "bfloat16" and push["push_op"] == "apply_gradient(sgd 1.0)"
+    assert "wire_dtype" not in recs["mlp_steps_per_s"]  # the MLP's dtypes are its own options
+
+
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("argv, says", [
     (["--staleness", "-1"], "give async or an int >= 0"),
