@@ -26,13 +26,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import cloudpickle
 import jax
 import ml_dtypes
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError
-from jaxdist.proto import codec, ps_pb2
+from jaxdist.proto import codec, pickling, ps_pb2
 
 __all__ = [
     "Op",
@@ -286,7 +285,7 @@ class Created:
 
 def optimizer_payload(optimizer: Any) -> tuple[bytes, str]:
     """``(cloudpickled optimizer, its sha256)``: the PS caches optimizers by that digest."""
-    blob = cloudpickle.dumps(optimizer)
+    blob = pickling.dumps(optimizer)
     return blob, hashlib.sha256(blob).hexdigest()
 
 
@@ -448,7 +447,7 @@ def encode_create(specs: Sequence[CreateSpec]) -> tuple[ps_pb2.PushHeader, list[
             arrays.append(value)
         else:
             codec.spec_to_proto(tuple(s.shape or ()), s.dtype, e.create_spec)
-            e.initializer = cloudpickle.dumps(s.initializer)
+            e.initializer = pickling.dumps(s.initializer)
         if s.optimizer is not None:
             e.optimizer, e.optimizer_digest = optimizer_payload(s.optimizer)
     return header, arrays

@@ -15,6 +15,7 @@ from typing import Any
 import cloudpickle
 
 from jaxdist.base.errors import InvalidRequestError
+from jaxdist.proto import pickling
 from jaxdist.ps_server.optimizer import Optimizer
 
 __all__ = ["OptimizerCache", "unpickle"]
@@ -65,4 +66,4 @@ class OptimizerCache:
         """``opt`` pickled: the bytes it arrived as (same digest on the backup), else a fresh pickle."""
         with self._lock:
             blob = self._blobs.get(opt.digest)
-        return blob if blob is not None else cloudpickle.dumps(opt.tx)
+        return blob if blob is not None else pickling.dumps(opt.tx)

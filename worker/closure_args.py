@@ -35,9 +35,9 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import cloudpickle
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.proto import pickling
 
 __all__ = [
     "LEDGER",
@@ -92,7 +92,7 @@ class ResourceMissing(Exception):
         self.resource_id = resource_id
 
 
-class _ArgsPickler(cloudpickle.Pickler):
+class _ArgsPickler(pickling.Pickler):
     def persistent_id(self, obj: Any) -> PersistentId | None:  # noqa: D401 - pickle hook
         return obj.persistent_id() if isinstance(obj, WorkerResident) else None
 

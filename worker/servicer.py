@@ -32,7 +32,7 @@ import jax
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError, OutOfRangeError, WorkerRestartedError
-from jaxdist.proto import common_pb2, worker_pb2
+from jaxdist.proto import common_pb2, pickling, worker_pb2
 from jaxdist.transport import rpc
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
@@ -212,7 +212,7 @@ class WorkerServicer:
             if call.resource_id:
                 self._resources[call.resource_id] = value
             elif not call.discard_result and value is not None:
-                result.value = cloudpickle.dumps(_to_host(value))
+                result.value = pickling.dumps(_to_host(value))
         except Exception as e:  # noqa: BLE001 - the user's exception goes back to the coordinator
             self._set_error(result, e)
             return
@@ -225,7 +225,7 @@ class WorkerServicer:
         result.error_type = f"{type(exc).__module__}.{type(exc).__qualname__}"
         result.traceback = "".join(traceback.format_exception(exc))
         try:
-            result.error = cloudpickle.dumps(exc)
+            result.error = pickling.dumps(exc)
         except Exception:  # noqa: BLE001 - unpicklable exceptions travel as text only
             result.error = b""
         logger.debug("closure failed: %s", result.error_type)

@@ -41,6 +41,7 @@ from typing import Any
 import cloudpickle
 
 from jaxdist.base.errors import CancelledError
+from jaxdist.proto import pickling
 from jaxdist.cluster_coordinator.remote_value import RemoteValue
 
 #: Closures waiting in the queue before ``schedule`` blocks. TF uses 256K; we
@@ -85,7 +86,7 @@ class FunctionPayload:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         _ship_module_by_value(fn)
-        self.payload = cloudpickle.dumps(fn)
+        self.payload = pickling.dumps(fn)
         self.digest = hashlib.sha256(self.payload).hexdigest()
 
 
