@@ -174,7 +174,8 @@ class DataPlaneClient:
                 self._stop_offering(kind)  # this host cannot make this kind (no memory, no memfd): stop trying
                 continue
             try:
-                chan.sock.sendall(REQUEST.pack(REQUEST_MAGIC, SHM_ATTACH, len(offer.header()), 0) + offer.header())
+                header = offer.header()
+                chan.sock.sendall(REQUEST.pack(REQUEST_MAGIC, SHM_ATTACH, len(header), 0) + header)
                 try:
                     self._read_response(chan.sock, deadline)
                 except DataPlaneError as e:
