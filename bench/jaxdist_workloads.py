@@ -135,36 +135,21 @@ def _noop() -> None:
     return None
 
 
-def _make_pull_closure(var: Any, pulls: int, per_pull_times: bool = False) -> Any:
+def _make_pull_closure(var: Any, pulls: int, per_pull_times: bool = False, dtype: Any = None) -> Any:
+    """``pulls`` timed pulls of ``var`` (values in ``dtype``: ``jaxdist.pull(var, dtype=)``, None = its own)."""
     def pull_closure() -> Any:
         import time as _t
 
         import jaxdist as _jd
 
-        _jd.pull(var)  # warm: connections, buffers
+        _jd.pull(var, dtype=dtype)  # warm: connections, buffers
         times = []
         t0 = _t.perf_counter()
         for _ in range(pulls):
             t = _t.perf_counter()
-            _jd.pull(var)
+            _jd.pull(var, dtype=dtype)
             times.append(_t.perf_counter() - t)
         return times if per_pull_times else _t.perf_counter() - t0
-
-    return pull_closure
-
-
-def _make_pull_closure_as(var: Any, pulls: int, dtype: Any) -> Any:
-    """``_make_pull_closure`` with the values pulled in ``dtype`` (``jaxdist.pull(var, dtype=)``)."""
-    def pull_closure() -> float:
-        import time as _t
-
-        import jaxdist as _jd
-
-        _jd.pull(var, dtype=dtype)  # warm
-        t0 = _t.perf_counter()
-        for _ in range(pulls):
-            _jd.pull(var, dtype=dtype)
-        return _t.perf_counter() - t0
 
     return pull_closure
 
@@ -364,8 +349,7 @@ class JaxdistBench:
         """MB/s (of the float32 variable) moved by one closure per worker, each doing ``per_closure``
         pulls or pushes of ``var``; ``wire_dtype`` (bfloat16): the bytes travel narrower (module docstring)."""
         if kind == "pull":
-            fn = (_make_pull_closure(var, per_closure) if wire_dtype is None
-                  else _make_pull_closure_as(var, per_closure, wire_dtype))
+            fn = _make_pull_closure(var, per_closure, dtype=wire_dtype)
         elif kind == "push":
             fn = _make_push_closure(var, int(mb * MB) // 4, per_closure, wire_dtype)
         else:

@@ -218,7 +218,7 @@ def create_sealed_region(slot_bytes: int) -> tuple[int, Region] | None:
 
     The seals (no shrinking, no growing, no more seals) are set before anyone else
     can see the file, so the server may map it. The caller keeps ``fd`` open until
-    the server has answered ShmAttach (the server opens ``/proc/<pid>/<fd>``), then
+    the server has answered ShmAttach (the server opens ``/proc/<pid>/fd/<fd>``), then
     closes it: the mappings keep the memory, and it is freed with the last one.
     """
     try:
@@ -257,7 +257,6 @@ class Offer:
     closes the sealed region's descriptor; the region itself stays mapped.
     """
 
-    kind: str
     name: str
     region: Region
     release: Callable[[], None]
@@ -273,14 +272,14 @@ def make_offer(kind: str, slot_bytes: int) -> Offer | None:
         if sealed is None:
             return None
         fd, region = sealed
-        return Offer(SEALED, f"fd:{os.getpid()}/{fd}", region, lambda: os.close(fd))
+        return Offer(f"fd:{os.getpid()}/{fd}", region, lambda: os.close(fd))
     if kind != NAMED:
         raise ValueError(f"unknown region kind {kind!r}")
     named = create_region(slot_bytes)
     if named is None:
         return None
     path, region = named
-    return Offer(NAMED, os.path.basename(path), region, lambda: unlink(path))
+    return Offer(os.path.basename(path), region, lambda: unlink(path))
 
 
 def _elsewhere(what: str) -> E.RemoteError:
