@@ -13,11 +13,16 @@
 # 6-task step runs on a 2-core VM.
 # Process tracking is proctrack/linuxproc and TaskPlugin=task/none: no cgroups needed,
 # so it also runs in unprivileged containers.
+# srun listens (for its tasks' I/O, the controller, the step) on ports from $JAXDIST_SLURM_SRUN_PORTS
+# (default 12000-12999, SrunPortRange) instead of ephemeral ones: a process elsewhere on the machine
+# that dials a port it used before (a client retrying a killed server's port) could otherwise reach
+# srun's I/O listener, which then loses the step's output ("failed reading io init message").
 set -euo pipefail
 
 STATE_DIR="${JAXDIST_SLURM_DIR:-/tmp/jaxdist-slurm}"
 CPUS="${JAXDIST_SLURM_CPUS:-8}"
 MEMORY_MB="${JAXDIST_SLURM_MEMORY_MB:-16384}"
+SRUN_PORTS="${JAXDIST_SLURM_SRUN_PORTS:-12000-12999}"
 CONF=/etc/slurm/slurm.conf
 MARKER="# Written by jaxdist deploy/slurm/local_slurm.sh"
 
@@ -123,6 +128,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 EnforcePartLimits=ALL
 SlurmdParameters=config_overrides
+SrunPortRange=$SRUN_PORTS
 StateSaveLocation=$STATE_DIR/state
 SlurmdSpoolDir=$STATE_DIR/spool
 SlurmctldPidFile=$STATE_DIR/slurmctld.pid

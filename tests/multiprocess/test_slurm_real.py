@@ -67,7 +67,7 @@ def _free_port_base(n: int) -> int:
 
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
-    low = min(20000, ephemeral_low - 4096)
+    low = max(13000, min(20000, ephemeral_low - 4096))  # above local_slurm.sh's SrunPortRange (12000-12999)
     for _ in range(200):
         base = random.randrange(low, ephemeral_low - n)
         socks = []
