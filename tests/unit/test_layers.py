@@ -34,6 +34,8 @@ FOLDERS = {
     "ps_server": "jaxdist.ps_server",
     "worker": "jaxdist.worker",
     "tools": "jaxdist.tools",
+    "sync": "jaxdist.sync",
+    "keras_integration": "jaxdist.keras",
 }
 
 #: (module prefix, layer, name), most specific prefix first.
