@@ -13,6 +13,7 @@ import grpc
 __all__ = [
     "JaxdistError",
     "ConfigurationError",
+    "UnreachableWorkerAddressError",
     "ClosureError",
     "CancelledError",
     "TaskUnavailableError",
@@ -53,6 +54,22 @@ class ConfigurationError(JaxdistError, ValueError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "CONFIGURATION"
+
+
+class UnreachableWorkerAddressError(ConfigurationError):
+    """A worker asked to join (``RegisterWorker``) at an address where the coordinator
+    reaches nothing: nothing listens there, the host does not resolve, or nothing answered in
+    time. Not retryable as it is: the worker must advertise an address the coordinator can dial
+    (``--advertise-address``). ``address`` is the refused address (cut to 200 characters).
+
+    Answered FAILED_PRECONDITION, not UNAVAILABLE: UNAVAILABLE would tell the worker (and every gRPC
+    client) that the coordinator is down and the same call may succeed later."""
+
+    reason = "WORKER_ADDRESS_UNREACHABLE"
+
+    def __init__(self, message: str, address: str = "") -> None:
+        super().__init__(message)
+        self.address = address[:200]
 
 
 class ClosureError(JaxdistError):

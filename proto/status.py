@@ -20,6 +20,7 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
     cls.reason: cls
     for cls in (
         E.ConfigurationError,
+        E.UnreachableWorkerAddressError,
         E.CancelledError,
         E.VariableNotFoundError,
         E.VariableExistsError,

@@ -250,7 +250,7 @@ class Cluster:
         """A worker asks to join through the registration service: its address must be a
         ``host:port`` the coordinator can dial and where a jaxdist worker answers (probed once,
         on a channel of its own), else it is refused and costs nothing more. An address already
-        active answers its index. Raises InvalidRequestError / WorkerUnavailableError."""
+        active answers its index. Raises InvalidRequestError / UnreachableWorkerAddressError."""
         address = check_worker_address(address, own=self.registration_address)
         index = self.active_worker_index(address)
         if index is not None:

@@ -693,7 +693,8 @@ class Dispatcher:
         own, closed afterwards, so an address that does not answer costs nothing once refused.
 
         Raises:
-            WorkerUnavailableError: nothing answered there within ``timeout``.
+            UnreachableWorkerAddressError: nothing answered there within ``timeout`` (not retryable:
+                the worker must register an address the coordinator can dial).
             InvalidRequestError: what answered is not a jaxdist worker of this cluster.
         """
         return self.call(self._admit(address, timeout), timeout + 5)
@@ -708,9 +709,10 @@ class Dispatcher:
                                      wait_for_ready=False)
             except grpc.aio.AioRpcError as e:
                 if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                    raise E.WorkerUnavailableError(
-                        f"the coordinator cannot reach a worker at {address[:80]} ({e.code().name}); register an "
-                        "address the coordinator can dial (--advertise-address)", task="registration") from None
+                    raise E.UnreachableWorkerAddressError(
+                        f"the coordinator cannot reach a worker at {address[:80]} ({e.code().name}: nothing listens "
+                        "there, the host does not resolve, or nothing answered in time); register an address the "
+                        "coordinator can dial (--advertise-address)", address=address) from None
                 raise E.InvalidRequestError(f"{address[:80]} is not a jaxdist worker of this cluster: its Heartbeat "
                                             f"answered {e.code().name}") from None
             if st.role != "worker":

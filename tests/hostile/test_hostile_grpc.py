@@ -39,6 +39,7 @@ from hostile_util import (
     unary,
 )
 
+from jaxdist.base import errors as E
 from jaxdist.proto import common_pb2, coordinator_pb2, ps_pb2, worker_pb2
 from jaxdist.ps_server.server import ParameterServer
 from jaxdist.worker.server import WorkerServer
@@ -342,7 +343,7 @@ def test_registrations_of_unreachable_workers_are_capped(coordinator: Any) -> No
         answers = [unary(ch, COORDINATOR + "RegisterWorker",
                          coordinator_pb2.RegisterWorkerRequest(address=f"127.0.0.1:{s.getsockname()[1]}"), timeout=30)
                    for s in ports]
-        odd = [str(a) for a in answers if a.code not in (OK, EXHAUSTED, PRECONDITION, UNAVAILABLE, INVALID)]
+        odd = [str(a) for a in answers if a.code not in (OK, EXHAUSTED, PRECONDITION, INVALID)]
         assert not odd, f"untyped answers to RegisterWorker: {odd[:5]}"
         accepted = sum(a.code == OK for a in answers)
         extra = _threads() - threads
@@ -351,6 +352,28 @@ def test_registrations_of_unreachable_workers_are_capped(coordinator: Any) -> No
     finally:
         for s in ports:
             s.close()
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "no-such-host.invalid:5000"], ids=["nothing-listens", "unresolvable"])
+def test_register_worker_at_an_unreachable_address_is_a_typed_non_retryable_refusal(coordinator: Any, address: str) -> None:
+    """RegisterWorker at an address nobody listens on, or whose host does not resolve, answered
+    UNAVAILABLE: the status every gRPC client reads as "the server is down, retry". It is a refusal
+    of this request: FAILED_PRECONDITION with its own reason, naming the address, and nothing joins."""
+    coord, ch, own = coordinator
+    workers, threads = coord.num_workers, _threads()
+    a = unary(ch, COORDINATOR + "RegisterWorker", coordinator_pb2.RegisterWorkerRequest(address=address), timeout=60)
+    assert (a.code, a.reason) == (PRECONDITION, "WORKER_ADDRESS_UNREACHABLE"), f"RegisterWorker({address}) answered {a}"
+    assert address in a.details and "--advertise-address" in a.details, a.details
+    assert coord.num_workers == workers
+    assert _threads() <= threads
+    # The worker's own client raises the typed error, which is a configuration error, never "unavailable".
+    from jaxdist.worker.coordinator_client import CoordinatorClient
+
+    with CoordinatorClient(own, CREDS) as client:
+        with pytest.raises(E.UnreachableWorkerAddressError, match=address.replace(".", r"\.")) as info:
+            client.register(address, timeout=60)
+    assert isinstance(info.value, E.ConfigurationError) and not isinstance(info.value, E.TaskUnavailableError)
+    assert coord.num_workers == workers
 
 
 # --------------------------------------------------------------- found while fuzzing
