@@ -363,14 +363,19 @@ class ClosureQueue:
         self._n_tagged = 0
 
     def raise_if_error(self) -> None:
-        """Raise the recorded error once (after running closures finished), then clear it."""
+        """Raise the recorded error once (after running closures finished), then clear it.
+
+        Exactly one caller gets the error: several threads may be in ``join``/``done``/``schedule``
+        at once, and whichever takes the error first clears it while the others wait here for the
+        running closures; those find it gone and return (as TF: the error is raised once)."""
         with self._lock:
             if self._error is None:
                 return
             while self._inflight > 0 and not self._stopped:
                 self._settled.wait()
             err, self._error = self._error, None
-        raise err
+        if err is not None:
+            raise err
 
     def has_error(self) -> bool:
         return self._error is not None

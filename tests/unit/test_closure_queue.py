@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
 
 from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
+from jaxdist.testing import poll_for
 from jaxdist.errors import CancelledError
 from jaxdist.cluster_coordinator.remote_value import RemoteValueStatus
 
@@ -76,6 +78,50 @@ def test_error_waits_for_running_closures() -> None:
     q.mark_finished()
     t.join(5)
     assert raised.is_set()
+
+
+def _waiting_in(thread: threading.Thread, function: str) -> bool:
+    """Whether ``thread`` is blocked inside ``function`` (a frame of its stack)."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@pytest.mark.parametrize("call", ["wait", "done"])
+def test_an_error_is_raised_to_exactly_one_of_several_waiting_threads(call: str) -> None:
+    """TF's contract, "the error is raised once": several threads in join/done while a closure error is
+    pending and another closure still runs. One gets the error; every other returns normally. Before, the others
+    re-read an error the first had cleared and raised ``None`` (TypeError)."""
+    q = ClosureQueue()
+    a, b = Closure(noop), Closure(noop)
+    q.put(a)
+    q.put(b)
+    q.take(0)
+    q.take(1)
+    q.mark_failed(ValueError("x"))  # a failed; b still runs
+    outcomes: list[str] = []
+
+    def caller() -> None:
+        try:
+            getattr(q, call)()
+            outcomes.append("returned")
+        except ValueError:
+            outcomes.append("ValueError")
+        except BaseException as e:  # whatever else came out is reported
+            outcomes.append(type(e).__name__)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    # All three wait for b inside raise_if_error, with the error still recorded.
+    poll_for(lambda: all(_waiting_in(t, "raise_if_error") for t in threads), 10, what="three callers waiting for b")
+    q.mark_finished()
+    for t in threads:
+        t.join(10)
+    assert sorted(outcomes) == ["ValueError", "returned", "returned"], outcomes
 
 
 def test_retry_goes_first_and_counts_an_attempt() -> None:
