@@ -92,8 +92,12 @@ def test_schedule_join_fetch_and_training(env) -> None:  # type: ignore[no-untyp
 def test_closure_error_semantics(env) -> None:  # type: ignore[no-untyped-def]
     strategy, coord = env
     release = gates.new_name("release")
+    go_fail = gates.new_name("go_fail")
 
     def fail() -> None:
+        # Fails only once the 30 closures below are queued: failing earlier, its error would be
+        # raised by one of those schedule() calls (correctly, but not what this test checks).
+        gates.event(go_fail).wait(30)
         raise UserError("bad closure")
 
     def held_ok() -> int:
@@ -105,6 +109,7 @@ def test_closure_error_semantics(env) -> None:  # type: ignore[no-untyped-def]
     poll_for(lambda: gates.arrivals(release) == 1, 30, what="the first closure to run")
     bad = coord.schedule(fail)
     queued = [coord.schedule(held_ok) for _ in range(30)]
+    gates.event(go_fail).set()
     poll_for(bad.done, 30, what="the failing closure")
     assert not ok.done()
     gates.event(release).set()
