@@ -28,6 +28,7 @@ tempfile.tempdir = RUN_TMP
 
 TOKEN = "test-token"
 
+import tiers  # noqa: E402  (tests/tiers.py: the fast lane and the lint step)
 from jaxdist.transport.credentials import Credentials  # noqa: E402
 
 #: What in-process servers and clients of the tests use.
@@ -83,6 +84,7 @@ _SHARED_MODULES: set[str] = set()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tiers.apply(items)
     for item in items:
         if SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             _SHARED_MODULES.add(item.nodeid.split("::")[0])
