@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 
-def _launch(argv: list[str]) -> int:
+def _launch_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxdist launch",
         description="Start a local cluster of real PS and worker processes. With a command after `--`, "
@@ -32,7 +32,11 @@ def _launch(argv: list[str]) -> int:
     p.add_argument("--ps", type=int, default=1)
     p.add_argument("--tls-dir", default=None, help="serve mutual TLS with the certificates in this directory (made when missing)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="coordinator command, after --")
-    args = p.parse_args(argv)
+    return p
+
+
+def _launch(argv: list[str]) -> int:
+    args = _launch_parser().parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     from jaxdist.local_cluster import LocalCluster
 
@@ -55,7 +59,7 @@ def _launch(argv: list[str]) -> int:
             return child.wait()
 
 
-def _task(argv: list[str]) -> int:
+def _task_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="jaxdist task",
         description="Run this process's task as the environment (TF_CONFIG, Slurm, JAXDIST_CLUSTER) assigns it: "
@@ -67,7 +71,11 @@ def _task(argv: list[str]) -> int:
     p.add_argument("--data-port", default=None,
                    help="PS tasks serve the bulk data plane (Pull/Push over TCP) on this port (default: a free one)")
     p.add_argument("command", nargs=argparse.REMAINDER)
-    args = p.parse_args(argv)
+    return p
+
+
+def _task(argv: list[str]) -> int:
+    args = _task_parser().parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
     from jaxdist.base.cluster_resolver import detect
     from jaxdist.base.errors import ConfigurationError
@@ -98,6 +106,43 @@ def _task(argv: list[str]) -> int:
         return subprocess.call(cmd)
     print(f"jaxdist task: role {role!r} has nothing to run in jaxdist (evaluators run their own script)", file=sys.stderr)
     return 2
+
+
+def subcommands() -> dict[str, str]:
+    """Every subcommand and its one-line summary, in the order of the module docstring (``jaxdist --help``)."""
+    out: dict[str, str] = {}
+    for line in (__doc__ or "").split("Subcommands:", 1)[1].splitlines():
+        name, _, summary = line.strip().partition(" ")
+        if name:
+            out[name] = summary.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jaxdist`` command as one parser, each subcommand a sub-parser with its own flags.
+
+    For documentation (docs/_ext renders the CLI reference from it) and tests: :func:`main`
+    dispatches by hand (``ps``/``worker``/``task`` must re-exec before argparse runs) and does not
+    use it. Building it imports the subcommands' modules and nothing else: no side effects.
+    ``demo`` and ``certs`` build their parsers inside their ``main``; their sub-parsers here carry
+    the summary only.
+    """
+    from jaxdist.ps_server.server import build_parser as ps_parser
+    from jaxdist.tools.cluster_status import build_parser as status_parser
+    from jaxdist.worker.host import build_parser as host_parser
+    from jaxdist.worker.server import build_parser as worker_parser
+
+    builders = {"ps": ps_parser, "worker": worker_parser, "workers": host_parser, "launch": _launch_parser,
+                "task": _task_parser, "status": status_parser}
+    top = argparse.ArgumentParser(prog="jaxdist", description="Run jaxdist tasks, local clusters and operator tools.")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND")
+    for name, summary in subcommands().items():
+        if name in builders:
+            own = builders[name]()
+            sub.add_parser(name, parents=[own], add_help=False, help=summary, description=own.description)
+        else:
+            sub.add_parser(name, help=summary, description=summary)
+    return top
 
 
 def main(argv: list[str] | None = None) -> int:
