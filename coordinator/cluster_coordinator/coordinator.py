@@ -464,6 +464,17 @@ class ClusterCoordinator:
     #: coordinator is made: set it on the class, or on a subclass, beforehand).
     failover_after = 1.5
 
+    #: The settings this coordinator was made with (None until its constructor ran): a second
+    #: ``ClusterCoordinator(strategy, ...)`` returns it, and is checked against them.
+    _made_with: dict[str, Any] | None = None
+
+    def __new__(cls, strategy: ParameterServerStrategy, **settings: Any) -> ClusterCoordinator:
+        # TF's contract: one coordinator per strategy, and constructing it again returns the live one.
+        existing = strategy.coordinator
+        if isinstance(existing, cls):
+            return existing
+        return super().__new__(cls)
+
     def __init__(
         self,
         strategy: ParameterServerStrategy,
@@ -476,6 +487,20 @@ class ClusterCoordinator:
         max_heartbeats_per_s: float = DEFAULT_MAX_PROBE_RATE,
         forget_after: float = DEFAULT_FORGET_AFTER,
     ) -> None:
+        made_with = {"closures_per_rpc": closures_per_rpc, "heartbeat_interval": heartbeat_interval,
+                     "failure_timeout": failure_timeout, "closure_timeout": closure_timeout, "max_queued": max_queued,
+                     "max_heartbeats_per_s": max_heartbeats_per_s, "forget_after": forget_after}
+        if self._made_with is not None:
+            # __new__ returned the strategy's live coordinator: it is used as it is, so settings that
+            # differ from its own would be ignored; refuse them instead.
+            differ = {k: v for k, v in made_with.items() if self._made_with[k] != v}
+            if differ:
+                raise E.ConfigurationError(
+                    f"this strategy already has a ClusterCoordinator, made with "
+                    f"{', '.join(f'{k}={self._made_with[k]!r}' for k in differ)}; ClusterCoordinator(strategy) returns "
+                    f"it, so it cannot take {', '.join(f'{k}={v!r}' for k, v in differ.items())}: shut it down first "
+                    "(coordinator.shutdown()) to make one with other settings")
+            return
         addresses = strategy.cluster_resolver.cluster_spec().job_tasks("worker")
         if not addresses:
             raise E.ConfigurationError("the cluster has no 'worker' tasks; add at least one worker to the cluster spec")
@@ -488,6 +513,7 @@ class ClusterCoordinator:
                 "leave closures_per_rpc unset")
         self._closed = False
         strategy.bind_coordinator(self)  # one live coordinator per strategy
+        self._made_with = made_with
         self.strategy = strategy
         #: Token and TLS material of every call (the strategy's).
         self.credentials = strategy.credentials

@@ -286,10 +286,16 @@ def test_steps_per_execution(env) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_one_live_coordinator_per_strategy(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's contract: ClusterCoordinator(strategy) again returns the strategy's coordinator (it raised
+    ValueError); settings other than the live one's are refused, not ignored."""
     strategy, coord = env
     assert strategy.coordinator is coord
-    with pytest.raises(ValueError, match="already has a ClusterCoordinator"):
-        jaxdist.ClusterCoordinator(strategy)
+    assert jaxdist.ClusterCoordinator(strategy) is coord
+    assert jaxdist.ClusterCoordinator(strategy, failure_timeout=coord.failure_timeout) is coord
+    assert coord.schedule(lambda: 3).fetch() == 3  # still working after the constructor ran on it again
+    with pytest.raises(jaxdist.errors.ConfigurationError, match="failure_timeout=3.0.*failure_timeout=9"):
+        jaxdist.ClusterCoordinator(strategy, failure_timeout=9)
+    assert strategy.coordinator is coord and coord.failure_timeout == 3.0
 
 
 # ------------------------------------------------------------------------------ own clusters
