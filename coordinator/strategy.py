@@ -15,6 +15,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import operator
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -244,7 +245,14 @@ class ParameterServerStrategy(PSStrategyMethods):
         if_exists = IfExists(if_exists)
         k = 1
         if self._partitioner is not None and len(shape) > 0 and self._colocate_ps.get() is None:
-            parts = list(self._partitioner(shape, dtype))
+            returned = self._partitioner(shape, dtype)
+            try:
+                parts = [operator.index(p) for p in returned]
+            except TypeError:  # None, a number, a list of floats or strings: not a list of ints
+                raise ConfigurationError(
+                    f"partitioner returned {returned!r} for shape {shape}; a partitioner returns a list of ints, "
+                    "one per dimension: [k, 1, ...] with k >= 1 shards along dim 0"
+                ) from None
             if len(parts) != len(shape) or any(p != 1 for p in parts[1:]) or parts[0] < 1:
                 raise ConfigurationError(
                     f"partitioner returned {parts} for shape {shape}; jaxdist partitions along dim 0 only and "
