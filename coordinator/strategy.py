@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxdist import variables as jv
 from jaxdist.base.cluster_resolver import ClusterResolver
+from jaxdist.base.cluster_resolver.base import check_jobs, check_task
 from jaxdist.base.errors import ConfigurationError, JaxdistError
 from jaxdist.partitioners import Partitioner, shard_offsets
 from jaxdist.transport import rpc
@@ -114,6 +115,11 @@ class ParameterServerStrategy(PSStrategyMethods):
         self.staleness = staleness
         self.cluster_resolver = cluster_resolver
         spec = cluster_resolver.cluster_spec()
+        # TF's rules (its ParameterServerStrategy checks them too): known job names, one chief at
+        # most, this process's task in the cluster; else the strategy would only fail connecting.
+        counts = {job: spec.num_tasks(job) for job in spec.jobs}
+        check_jobs(counts, "ParameterServerStrategy's cluster spec")
+        check_task(counts, cluster_resolver.task_type, cluster_resolver.task_id, "ParameterServerStrategy's cluster resolver")
         ps = spec.job_tasks("ps")
         if not ps:
             raise ConfigurationError("ParameterServerStrategy needs at least one 'ps' task in the cluster spec")

@@ -17,11 +17,50 @@ from typing import ClassVar
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.transport.credentials import ENV_TOKEN, Credentials, TLSConfig
 
-__all__ = ["ENV_TOKEN", "KNOWN_JOBS", "TLS_FROM_ENV", "ClusterResolver", "ClusterSpec", "SimpleClusterResolver"]
+__all__ = ["ENV_TOKEN", "KNOWN_JOBS", "TLS_FROM_ENV", "ClusterResolver", "ClusterSpec", "SimpleClusterResolver", "check_jobs",
+           "check_task"]
 
 #: Job names TF accepts in TF_CONFIG, and so do we, plus jaxdist's ``ps_backup``
 #: (one backup per PS task: primary/backup replication, see jaxdist.cluster_coordinator.ps_failover).
 KNOWN_JOBS = ("chief", "worker", "ps", "evaluator", "ps_backup")
+
+
+def check_jobs(counts: Mapping[str, int], source: str) -> None:
+    """TF's rules for a cluster's jobs (``multi_worker_util``): every job name is one of
+    :data:`KNOWN_JOBS`, and there is at most one chief and one evaluator.
+
+    Raises:
+        ConfigurationError: naming ``source`` and what to fix.
+    """
+    for job in counts:
+        if job not in KNOWN_JOBS:
+            raise ConfigurationError(f"{source}: unknown job {job!r} in the cluster; allowed jobs are {', '.join(KNOWN_JOBS)}")
+    for single in ("chief", "evaluator"):
+        if counts.get(single, 0) > 1:
+            raise ConfigurationError(f"{source}: at most one {single!r} task is allowed, got {counts[single]}")
+
+
+def check_task(counts: Mapping[str, int], task_type: str | None, task_id: int | None, source: str) -> None:
+    """TF's rules for this process's task: its type is one of :data:`KNOWN_JOBS` and its index is
+    below its job's task count (an evaluator may be absent from the cluster, as in TF's tutorial).
+    Nothing to check when ``task_type`` is None.
+
+    Raises:
+        ConfigurationError: naming ``source`` and what to fix.
+    """
+    if task_type is None:
+        return
+    if task_type not in KNOWN_JOBS:
+        raise ConfigurationError(f"{source}: task type {task_type!r} is not one of {', '.join(KNOWN_JOBS)}")
+    index = 0 if task_id is None else task_id
+    if index < 0:
+        raise ConfigurationError(f"{source}: task index {index} is negative")
+    n = counts.get(task_type, 0)
+    if index >= n and not (task_type == "evaluator" and n == 0):
+        raise ConfigurationError(
+            f"{source}: task {task_type}:{index} but the cluster has {n} {task_type!r} task(s); "
+            "fix the task index or add the task's address to the cluster"
+        )
 
 
 class ClusterSpec:

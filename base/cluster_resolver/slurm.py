@@ -53,7 +53,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.base.cluster_resolver.base import KNOWN_JOBS, ClusterResolver, ClusterSpec
+from jaxdist.base.cluster_resolver.base import ClusterResolver, ClusterSpec, check_jobs
 from jaxdist.base.errors import ConfigurationError
 
 __all__ = [
@@ -251,11 +251,8 @@ def parse_jobs(jobs: Mapping[str, Any] | str, source: str = "jobs") -> dict[str,
     if not isinstance(jobs, Mapping) or not jobs:
         raise ConfigurationError(f"{source} must be a non-empty mapping job -> task count, e.g. {example}")
     out: dict[str, int] = {}
+    check_jobs({name: 0 for name in jobs}, source)  # the names first; the counts once they are read
     for name, count in jobs.items():
-        if name not in KNOWN_JOBS:
-            raise ConfigurationError(
-                f"{source}: unknown job {name!r}; allowed jobs are {', '.join(KNOWN_JOBS)}"
-            )
         bad = ConfigurationError(f"{source}: task count for {name!r} must be an integer, got {count!r}")
         if isinstance(count, bool) or not isinstance(count, (int, float, str)):
             raise bad
@@ -268,9 +265,7 @@ def parse_jobs(jobs: Mapping[str, Any] | str, source: str = "jobs") -> dict[str,
         if n < 0:
             raise ConfigurationError(f"{source}: task count for {name!r} is negative ({n})")
         out[name] = n
-    for single in ("chief", "evaluator"):
-        if out.get(single, 0) > 1:
-            raise ConfigurationError(f"{source}: at most one {single!r} task is allowed, got {out[single]}")
+    check_jobs(out, source)
     return out
 
 

@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from jaxdist.base.cluster_resolver.base import KNOWN_JOBS, ClusterResolver, ClusterSpec
+from jaxdist.base.cluster_resolver.base import ClusterResolver, ClusterSpec, check_jobs, check_task
 from jaxdist.base.errors import ConfigurationError
 
 ENV_TF_CONFIG = "TF_CONFIG"
@@ -36,37 +36,18 @@ def parse_config(text_or_dict: str | Mapping[str, Any], source: str) -> dict[str
     cluster = cfg.get("cluster", {}) or {}
     if not isinstance(cluster, dict):
         raise ConfigurationError(f"{source}: 'cluster' must be an object mapping job names to address lists")
-    for job in cluster:
-        if job not in KNOWN_JOBS:
-            raise ConfigurationError(
-                f"{source}: unknown job {job!r} in cluster; allowed jobs are {', '.join(KNOWN_JOBS)}"
-            )
-    for single in ("chief", "evaluator"):
-        if len(cluster.get(single, []) or []) > 1:
-            raise ConfigurationError(f"{source}: at most one {single!r} task is allowed, got {len(cluster[single])}")
+    counts = {job: len(tasks or []) for job, tasks in cluster.items()}
+    check_jobs(counts, source)
     task = cfg.get("task", {}) or {}
     if not isinstance(task, dict):
         raise ConfigurationError(f"{source}: 'task' must be an object like {{\"type\": \"worker\", \"index\": 0}}")
     ttype = task.get("type")
     if ttype is not None:
-        if ttype not in KNOWN_JOBS:
-            raise ConfigurationError(
-                f"{source}: task type {ttype!r} is not one of {', '.join(KNOWN_JOBS)}"
-            )
         try:
             index = int(task.get("index", 0))
         except (TypeError, ValueError):
             raise ConfigurationError(f"{source}: task index {task.get('index')!r} is not an integer") from None
-        if index < 0:
-            raise ConfigurationError(f"{source}: task index {index} is negative")
-        n = len(cluster.get(ttype, []) or [])
-        if ttype == "evaluator" and n == 0:
-            pass  # TF's tutorial gives the evaluator only a 'task' section.
-        elif index >= n:
-            raise ConfigurationError(
-                f"{source}: task {ttype}:{index} but the cluster has {n} {ttype!r} task(s); "
-                "fix 'task.index' or add the task's address to 'cluster'"
-            )
+        check_task(counts, ttype, index, source)
         task = {"type": ttype, "index": index}
     cfg["cluster"] = cluster
     cfg["task"] = task

@@ -41,3 +41,31 @@ def test_a_partitioner_may_return_numpy_ints(cluster: InProcessCluster) -> None:
         np.testing.assert_array_equal(params["w"].numpy(), np.arange(8, dtype=np.float32).reshape(4, 2))
     finally:
         strategy.close()
+
+
+@pytest.mark.parametrize(("jobs", "task", "match"), [
+    ({"trainer": 1}, (None, None), "unknown job 'trainer'"),
+    ({"chief": 2}, (None, None), "at most one 'chief'"),
+    ({"evaluator": 2}, (None, None), "at most one 'evaluator'"),
+    ({}, ("coordinator", 0), "task type 'coordinator' is not one of"),
+    ({}, ("chief", 0), "task chief:0 but the cluster has 0 'chief'"),
+    ({}, ("worker", 5), "task worker:5 but the cluster has 1 'worker'"),
+], ids=["unknown-job", "two-chiefs", "two-evaluators", "unknown-task-type", "absent-chief", "task-index-out-of-range"])
+def test_a_cluster_tf_refuses_is_refused_before_connecting(cluster: InProcessCluster, jobs: dict[str, int],
+                                                           task: tuple[str | None, int | None], match: str) -> None:
+    """Unknown job names, an unknown task_type and several chiefs were not rejected: the strategy just
+    tried to connect (to addresses that may not exist). TF's strategy refuses them; so does jaxdist's,
+    with ConfigurationError, before any connection."""
+    spec = cluster.cluster_resolver().cluster_spec().as_dict()
+    spec.update({job: [f"127.0.0.1:{1 + i}" for i in range(n)] for job, n in jobs.items()})
+    resolver = jaxdist.SimpleClusterResolver(spec, task_type=task[0], task_id=task[1], token=cluster.credentials.token, tls=cluster.credentials.tls)
+    with pytest.raises(jaxdist.errors.ConfigurationError, match=match):
+        jaxdist.ParameterServerStrategy(resolver, connect_timeout=1.0)
+
+
+def test_a_chief_task_in_the_cluster_is_accepted(cluster: InProcessCluster) -> None:
+    spec = cluster.cluster_resolver().cluster_spec().as_dict()
+    spec["chief"] = ["127.0.0.1:1"]
+    strategy = jaxdist.ParameterServerStrategy(
+        jaxdist.SimpleClusterResolver(spec, task_type="chief", task_id=0, token=cluster.credentials.token, tls=cluster.credentials.tls))
+    strategy.close()
