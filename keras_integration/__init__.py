@@ -67,6 +67,11 @@ batches through :class:`jaxdist.keras.Batches`.
 
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.
+
+Keras internals: where Keras has no public hook, jaxdist replaces attributes of
+Keras's JAX trainer and reads a few private attributes; every one of them is in
+:mod:`jaxdist.keras.compat` (listed in its ``INTERNALS``, and in
+``docs/keras-internals.md``), which is the only module that touches them.
 """
 
 from __future__ import annotations
