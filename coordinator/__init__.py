@@ -6,7 +6,7 @@ on gRPC, and synchronous strategies on XLA collectives.
 
 from __future__ import annotations
 
-from jaxdist import cluster_resolver, errors, metrics
+from jaxdist import cluster_resolver, errors, keras_bridge, metrics
 from jaxdist.checkpoint import Checkpoint, CheckpointManager, latest_checkpoint
 from jaxdist.cluster_coordinator import (
     ClusterCoordinator,
@@ -161,11 +161,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # jaxdist.SidecarEvaluator (TF's name for it) evaluates Keras models: it lives in jaxdist.keras, whose
-    # import needs the keras extra and selects Keras's JAX backend, so it is imported only when asked for.
-    if name == "SidecarEvaluator":
-        from jaxdist.keras.sidecar import SidecarEvaluator
+# The Keras integration (jaxdist.keras) needs the keras extra and selects Keras's JAX backend when imported,
+# so the public API reaches it only lazily, through jaxdist.keras_bridge: strategy.scope() enters Keras's view
+# of the strategy once Keras is in use (a scope hook of the sync core, which never imports jaxdist.keras), and
+# jaxdist.SidecarEvaluator (TF's name for it, a Keras evaluator) is imported when first asked for.
+keras_bridge.install_scope_hook()
 
-        return SidecarEvaluator
+
+def __getattr__(name: str) -> object:
+    if name == "SidecarEvaluator":
+        return keras_bridge.sidecar_evaluator()
     raise AttributeError(f"module 'jaxdist' has no attribute {name!r}")

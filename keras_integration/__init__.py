@@ -67,6 +67,11 @@ batches through :class:`jaxdist.keras.Batches`.
 
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.
+
+Keras internals: where Keras has no public hook, jaxdist replaces attributes of
+Keras's JAX trainer and reads a few private attributes; every one of them is in
+:mod:`jaxdist.keras.compat` (listed in its ``INTERNALS``, and in
+``docs/keras-internals.md``), which is the only module that touches them.
 """
 
 from __future__ import annotations
@@ -89,8 +94,13 @@ from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
 from jaxdist.keras.tensorboard import TensorBoard  # noqa: E402
+from jaxdist.keras_bridge import SCOPE_HOOK  # noqa: E402
+from jaxdist.sync.hooks import register_scope_hook  # noqa: E402
 
 install_data_placement()
+# Every strategy.scope() enters the strategy's Keras distribution from now on (the sync core's scope hook;
+# this replaces the stand-in that `import jaxdist` registered, jaxdist.keras_bridge.scope_hook).
+register_scope_hook(SCOPE_HOOK, keras_scope)
 
 __all__ = [
     "BackupAndRestore",

@@ -2,8 +2,7 @@
 
 Keras 3's ``keras.callbacks.BackupAndRestore`` writes the batch it stopped at
 but never reads it: a run killed mid-epoch restarts that epoch from its first
-batch, training the batches before the backup twice (see
-``../shared/reference/keras3_jax.md`` §4). tf.keras resumed at the batch. This
+batch, training the batches before the backup twice. tf.keras resumed at the batch. This
 callback keeps Keras's constructor and adds what resuming at the batch needs:
 
 - **What a backup holds**: the model's weights with the optimizer's state
@@ -59,6 +58,7 @@ import keras
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.checkpoint import Checkpoint
+from jaxdist.keras import compat
 from jaxdist.keras.distribution import StrategyDistribution
 from jaxdist.keras.ps_fit import FitControl
 from jaxdist.keras.ps_model import PSDistribution, PSModel, ps_model
@@ -199,7 +199,7 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
             with np.load(self._path(f"{stem}.metrics.npz")) as saved:
                 self._resume_metrics = [saved[f"m{i}"] for i in range(len(saved.files))]
         # Keras's fit reads its first epoch from here after on_train_begin (its own callback sets it too).
-        model._initial_epoch = self._epoch
+        compat.set_initial_epoch(model, self._epoch)
         if self._skip and self._ps is None:
             self._skip_trained_batches(model)  # read through the batch callbacks, which count them
         elif self._skip:
@@ -243,12 +243,12 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
 
     def _skip_trained_batches(self, model: Any) -> None:
         """Wrap the train function so its first calls read their batches without training them."""
-        train = model.train_function
+        train = compat.step_function(model, "train")
         per_call = max(1, int(model.steps_per_execution))
 
         def train_function(state: Any, iterator: Any) -> Any:
             if self._skip <= 0:
-                model.train_function = train  # done skipping: Keras's own function from now on
+                compat.set_step_function(model, "train", train)  # done skipping: Keras's own function from now on
                 return train(state, iterator)
             for _ in range(min(per_call, self._skip)):
                 try:
@@ -259,7 +259,7 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
             self._skipped_call = True
             return {}, state
 
-        model.train_function = train_function
+        compat.set_step_function(model, "train", train_function)
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
@@ -286,6 +286,6 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
         self._save()
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
-        self.model._initial_epoch = None  # a later fit of this model starts at its own initial_epoch
+        compat.set_initial_epoch(self.model, None)  # a later fit of this model starts at its own initial_epoch
         if self.delete_checkpoint and self._writer:
             shutil.rmtree(self.backup_dir, ignore_errors=True)

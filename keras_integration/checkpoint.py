@@ -16,30 +16,30 @@ import logging
 import os
 import shutil
 import tempfile
-from typing import Any
+from collections.abc import Callable
 
 import jax
 
-import keras
+from jaxdist.keras.compat import ModelCheckpointBase
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ModelCheckpoint"]
 
 
-class ModelCheckpoint(keras.callbacks.ModelCheckpoint):
+class ModelCheckpoint(ModelCheckpointBase):
     """``keras.callbacks.ModelCheckpoint`` (same arguments) whose files only process 0 writes."""
 
-    def _save_model(self, epoch: int, batch: int | None, logs: dict[str, Any] | None) -> None:
+    def save_files(self, save: Callable[[], None]) -> None:
         if jax.process_index() == 0:
-            super()._save_model(epoch, batch, logs)
+            save()
             return
         scratch = tempfile.mkdtemp(prefix="jaxdist-checkpoint-")
         # (Keras is untyped: mypy cannot tell the attribute's type.)
         real: str = self.filepath  # type: ignore[has-type]
         self.filepath = os.path.join(scratch, os.path.basename(real))
         try:
-            super()._save_model(epoch, batch, logs)
+            save()
         finally:
             self.filepath = real
             shutil.rmtree(scratch, ignore_errors=True)

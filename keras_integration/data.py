@@ -19,8 +19,7 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from keras.src.trainers.data_adapters import data_adapter_utils
-from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+from jaxdist.keras.compat import DataAdapter, get_jax_iterator, get_numpy_iterator
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +77,10 @@ class Batches(DataAdapter):
         return iter(self._iterable)
 
     def get_numpy_iterator(self) -> Iterator[Any]:
-        return data_adapter_utils.get_numpy_iterator(self._batches())
+        return get_numpy_iterator(self._batches())
 
     def get_jax_iterator(self) -> Iterator[Any]:
-        return data_adapter_utils.get_jax_iterator(self._batches())
+        return get_jax_iterator(self._batches())
 
     def get_tf_dataset(self) -> Any:
         raise NotImplementedError("jaxdist.keras.Batches serves Keras's JAX backend only (no tf.data)")

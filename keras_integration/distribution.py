@@ -24,11 +24,12 @@ What it adds to ``DataParallel``:
   process places only its own replicas' rows of each global batch on its
   devices. ``batch_size`` is the global batch, as in TF.
 
-The per-batch placement replaces ``JAXEpochIterator._get_distributed_iterator``
+The per-batch placement replaces Keras's JAX epoch iterator's distributed input
 while a :class:`StrategyDistribution` is current (Keras has no public hook
 for it: the one it has, ``get_data_layout``, is asked once per ``fit`` and
 cached for every batch); with any other distribution, or none, Keras's own
-code runs unchanged. See :func:`install_data_placement`.
+code runs unchanged. See :func:`install_data_placement`; what it replaces in
+Keras is listed in :mod:`jaxdist.keras.compat`, which does the replacing.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import keras
 from keras.distribution import DataParallel, DeviceMesh, TensorLayout
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras import compat
 from jaxdist.keras.data import Batches
 
 logger = logging.getLogger(__name__)
@@ -218,14 +220,10 @@ _registry_lock = threading.Lock()
 #: The distribution of each mesh jaxdist made (strategies over the same devices place alike; the latest wins).
 _by_mesh: weakref.WeakValueDictionary[Any, StrategyDistribution] = weakref.WeakValueDictionary()
 
-#: Keras's entry points that run a model; each runs under the distribution its variables were made in.
-_MODEL_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch")
-
-
 def _first_sharding(model: Any) -> Any:
     for v in model.variables:
-        # _value: None while Keras holds the state itself (mid-fit); .value would fall back to the initializer.
-        return getattr(getattr(v, "_value", None), "sharding", None)
+        # None while Keras holds the state itself (mid-fit); .value would fall back to the initializer.
+        return getattr(compat.stored_value(v), "sharding", None)
     return None
 
 
@@ -264,45 +262,35 @@ def install_data_placement() -> None:
       threads, where Keras's thread-local distribution is unset).
 
     Raises ConfigurationError when the installed Keras lacks what is hooked
-    (a Keras outside the range jaxdist's ``keras`` extra pins).
+    (a Keras outside the range jaxdist's ``keras`` extra pins). The Keras
+    attributes replaced are listed in :mod:`jaxdist.keras.compat`.
     """
     global _installed
     with _install_lock:
         if _installed:
             return
-        try:
-            from keras.src.backend.jax.trainer import JAXEpochIterator
-        except ImportError as e:  # pragma: no cover - depends on the installed Keras
-            raise ConfigurationError(f"this Keras ({keras.__version__}) has no JAX trainer jaxdist knows: {e}") from e
-        original = getattr(JAXEpochIterator, "_get_distributed_iterator", None)
-        if original is None:  # pragma: no cover - depends on the installed Keras
-            raise ConfigurationError(
-                f"Keras {keras.__version__} is outside the range jaxdist supports (pip install 'jaxdist[keras]')"
-            )
-
-        def _get_distributed_iterator(self: Any, distribution: Any) -> Iterator[Any]:
-            if isinstance(distribution, StrategyDistribution):
-                per_process = isinstance(self.data_adapter, Batches) and self.data_adapter.per_process
-                return distribution.batches(self.data_adapter.get_jax_iterator(), per_process=per_process)
-            return original(self, distribution)
-
-        JAXEpochIterator._get_distributed_iterator = _get_distributed_iterator
-        from keras.src.backend.jax.trainer import JAXTrainer
-
-        for name in _MODEL_ENTRY_POINTS:
-            setattr(JAXTrainer, name, _under_model_distribution(getattr(JAXTrainer, name), name.endswith("_on_batch")))
-        JAXTrainer.make_predict_function = _fetchable_predictions(JAXTrainer.make_predict_function)
-        for make, attribute in _STEP_FUNCTIONS.items():
-            setattr(JAXTrainer, make, _bounded_in_flight(getattr(JAXTrainer, make), attribute))
+        compat.install_trainer_patches(_placed_batches, _entry_point, _step_function)
         _installed = True
 
 
-#: Keras's step-function factories and the attribute each sets.
-_STEP_FUNCTIONS = {
-    "make_train_function": "train_function",
-    "make_test_function": "test_function",
-    "make_predict_function": "predict_function",
-}
+def _placed_batches(distribution: Any, data_adapter: Any) -> Iterator[Any] | None:
+    """The epoch's batches placed on a StrategyDistribution's replicas (None: another distribution, Keras's own)."""
+    if isinstance(distribution, StrategyDistribution):
+        per_process = isinstance(data_adapter, Batches) and data_adapter.per_process
+        return distribution.batches(data_adapter.get_jax_iterator(), per_process=per_process)
+    return None
+
+
+def _entry_point(method: Any, name: str) -> Any:
+    return _under_model_distribution(method, name.endswith("_on_batch"))
+
+
+def _step_function(model: Any, kind: str, inner: Any) -> Any:
+    """The step function Keras's ``kind`` loop calls (what ``make_<kind>_function`` made, wrapped as needed)."""
+    if kind == "predict":
+        inner = _fetchable_predictions(inner)
+    return _bounded_in_flight(inner)
+
 
 #: Steps Keras's loop may dispatch before the oldest of them has finished. XLA's CPU client runs
 #: the replicas of one step on a shared thread pool and limits the computations in flight per
@@ -313,51 +301,37 @@ _STEP_FUNCTIONS = {
 MAX_STEPS_IN_FLIGHT = 2
 
 
-def _bounded_in_flight(make: Any, attribute: str) -> Any:
-    """Under a StrategyDistribution, the step function Keras's loop calls waits for the step
-    ``MAX_STEPS_IN_FLIGHT`` calls back before returning (its outputs: the state is donated)."""
+def _bounded_in_flight(inner: Any) -> Any:
+    """Under a StrategyDistribution, ``inner`` wrapped so that it waits for the step ``MAX_STEPS_IN_FLIGHT``
+    calls back before returning (its outputs: the state is donated); else ``inner`` itself."""
+    if not isinstance(keras.distribution.distribution(), StrategyDistribution) or getattr(inner, "_jaxdist_bounded", False):
+        return inner
+    pending: collections.deque[Any] = collections.deque()
 
-    @functools.wraps(make)
-    def make_function(self: Any, force: bool = False) -> Any:
-        make(self, force)
-        inner = getattr(self, attribute)
-        if not isinstance(keras.distribution.distribution(), StrategyDistribution) or getattr(inner, "_jaxdist_bounded", False):
-            return inner
-        pending: collections.deque[Any] = collections.deque()
+    def step_function(state: Any, iterator: Any) -> Any:
+        outputs, new_state = inner(state, iterator)
+        pending.append(outputs)
+        if len(pending) > MAX_STEPS_IN_FLIGHT:
+            jax.block_until_ready(pending.popleft())
+        return outputs, new_state
 
-        def step_function(state: Any, iterator: Any) -> Any:
-            outputs, new_state = inner(state, iterator)
-            pending.append(outputs)
-            if len(pending) > MAX_STEPS_IN_FLIGHT:
-                jax.block_until_ready(pending.popleft())
-            return outputs, new_state
-
-        step_function._jaxdist_bounded = True  # type: ignore[attr-defined]
-        setattr(self, attribute, step_function)
-        return step_function
-
-    return make_function
+    step_function._jaxdist_bounded = True  # type: ignore[attr-defined]
+    return step_function
 
 
-def _fetchable_predictions(make: Any) -> Any:
-    """In a multi-process job, ``predict``'s outputs are gathered to every process (Keras turns them into numpy)."""
+def _fetchable_predictions(inner: Any) -> Any:
+    """In a multi-process job, ``inner`` (the predict step) wrapped so that its outputs are gathered to every
+    process (Keras turns them into numpy); else ``inner`` itself."""
+    dist = keras.distribution.distribution()
+    if isinstance(dist, StrategyDistribution) and dist.multi_process and not getattr(inner, "_jaxdist_gathers", False):
 
-    @functools.wraps(make)
-    def make_predict_function(self: Any, force: bool = False) -> Any:
-        make(self, force)
-        dist = keras.distribution.distribution()
-        inner = self.predict_function
-        if isinstance(dist, StrategyDistribution) and dist.multi_process and not getattr(inner, "_jaxdist_gathers", False):
+        def predict_function(state: Any, iterator: Any) -> Any:
+            outputs, state = inner(state, iterator)
+            return dist.fetchable(outputs), state
 
-            def predict_function(state: Any, iterator: Any) -> Any:
-                outputs, state = inner(state, iterator)
-                return dist.fetchable(outputs), state
-
-            predict_function._jaxdist_gathers = True  # type: ignore[attr-defined]
-            self.predict_function = predict_function
-        return self.predict_function
-
-    return make_predict_function
+        predict_function._jaxdist_gathers = True  # type: ignore[attr-defined]
+        return predict_function
+    return inner
 
 
 #: Keras callbacks that write files from every process (no multi-process logic): every process would

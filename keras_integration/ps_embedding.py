@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist.keras import compat
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["SparseEmbedding", "sparse_embeddings", "with_input_dims", "bucket"]
@@ -62,7 +64,7 @@ def sparse_embeddings(model: Any) -> list[SparseEmbedding]:
     """The model's row-sparse Embedding layers (see the module docstring); computed on the coordinator."""
     import keras
 
-    layers = [layer for layer in model._flatten_layers() if isinstance(layer, keras.layers.Embedding)]
+    layers = [layer for layer in compat.flatten_layers(model) if isinstance(layer, keras.layers.Embedding)]
     if not layers:
         return []
     if not _exact_when_sparse(model.optimizer):
@@ -74,7 +76,7 @@ def sparse_embeddings(model: Any) -> list[SparseEmbedding]:
     for layer in layers:
         cfg = layer.get_config()
         if cfg.get("mask_zero") or cfg.get("embeddings_regularizer") or cfg.get("embeddings_constraint") \
-                or cfg.get("lora_rank") or len(layer._inbound_nodes) != 1:
+                or cfg.get("lora_rank") or compat.inbound_node_count(layer) != 1:
             logger.info("Embedding %s stays dense (mask_zero, regularizer, constraint, LoRA or shared)", layer.name)
             continue
         where = [i for i, t in enumerate(inputs) if layer.input is t]

@@ -52,6 +52,7 @@ import keras
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
+from jaxdist.keras import compat
 from jaxdist.keras.data import DatasetCreator, call_dataset_fn
 from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
 from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
@@ -274,7 +275,7 @@ def _check_metric_aggregation(model: Any) -> None:
 
 def _build(model: Any, batch: Any) -> PSModel:
     """Build the model, its compiled loss and metrics from one batch (as Keras's fit does), then its PS state."""
-    model._symbolic_build(data_batch=batch)
+    compat.symbolic_build(model, batch)
     _check_metric_aggregation(model)
     pm = ps_model(model)
     assert pm is not None
@@ -334,7 +335,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     if validation_data is not None:
         vx, vy, vsw = _validation_args(validation_data)
         vsource, val_batches, _ = _eval_source(vx, vy, vsw, validation_batch_size, validation_steps)
-        runs = sum(bool(model._should_eval(e, validation_freq)) for e in range(initial_epoch, epochs))
+        runs = sum(compat.should_eval(model, e, validation_freq) for e in range(initial_epoch, epochs))
         # One exactly-once dataset for every validation of this fit (its ledger runs one pass per validation).
         val_it = iter(coord.create_per_worker_dataset(_Sequence(vsource), exactly_once=True, num_batches=val_batches,
                                                       epochs=max(1, runs)))
@@ -344,7 +345,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     model.stop_training = False
     cbs.on_train_begin()
     # As Keras's fit: a callback (BackupAndRestore) may have moved the first epoch in on_train_begin.
-    initial_epoch = model._initial_epoch or initial_epoch
+    initial_epoch = compat.initial_epoch(model) or initial_epoch
     controls = [cb for cb in cbs.callbacks if isinstance(cb, FitControl)]
     step = _resume_step(controls, steps_per_epoch)
     if step:
@@ -375,7 +376,7 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         pm.check_learning_rate()
         pm.sync()
         epoch_logs = metrics.logs()
-        if val_it is not None and model._should_eval(epoch, validation_freq):
+        if val_it is not None and compat.should_eval(model, epoch, validation_freq):
             val = _run_evaluation(model, coord, pm, val_it, val_batches, 0, None)
             epoch_logs.update({f"val_{k}": v for k, v in val.items()})
         cbs.on_epoch_end(epoch, epoch_logs)
@@ -423,7 +424,7 @@ def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None
     pm = _build(model, first_batch)
     it = iter(coord.create_per_worker_dataset(_Sequence(source), exactly_once=True, num_batches=num_batches))
     logs = _run_evaluation(model, coord, pm, it, num_batches, verbose, callbacks)
-    return logs if return_dict else model._flatten_metrics_in_order(logs)
+    return logs if return_dict else compat.flatten_metrics_in_order(model, logs)
 
 
 def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: int, verbose: Any,

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 
 from keras.distribution import DeviceMesh, TensorLayout
-from keras.src.distribution.distribution_lib import Distribution
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras.compat import Distribution
 from jaxdist.keras.ps_embedding import sparse_embeddings
 from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, to_optax
 from jaxdist.keras.ps_worker import ModelSpec

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras import compat
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ _MUST_BE_UNSET = ("weight_decay", "loss_scale_factor", "gradient_accumulation_st
 
 def learning_rate_of(optimizer: Any) -> float:
     """The optimizer's constant learning rate (a schedule or callable raises UnsupportedOptimizerError)."""
-    lr = getattr(optimizer, "_learning_rate", None)
+    lr = compat.raw_learning_rate(optimizer)
     from keras.optimizers.schedules import LearningRateSchedule
 
     if isinstance(lr, LearningRateSchedule) or (callable(lr) and not hasattr(lr, "numpy")):

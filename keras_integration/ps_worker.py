@@ -32,10 +32,10 @@ from typing import Any
 
 import jax
 import numpy as np
-from keras.src.trainers.data_adapters import data_adapter_utils
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.cluster_coordinator.datasets import StepsPerExecution
+from jaxdist.keras import compat
 from jaxdist.proto.ps_wire import Op
 from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, padded, with_input_dims
 from jaxdist.variables import SparseGradient, gradient_updates, pull, push_updates, split_update
@@ -89,12 +89,12 @@ class _WorkerModel:
         self.lock = threading.Lock()
         self._built = False
         self._train = jax.jit(self._train_step)
-        self._test = jax.jit(model.test_step)
+        self._test = jax.jit(compat.stateless_test_step(model))
 
     def build(self, batch: Any) -> None:
         if self._built:
             return
-        self.model._symbolic_build(data_batch=batch)
+        compat.symbolic_build(self.model, batch)
         m = self.model
         if (len(m.trainable_variables), len(m.non_trainable_variables), len(m.metrics_variables)) != (
                 len(self.spec.trainable), len(self.spec.non_trainable), len(self.spec.metric_init)):
@@ -109,12 +109,12 @@ class _WorkerModel:
 
     def _train_step(self, trainable: Any, non_trainable: Any, metrics: Any, opt_vars: Any, data: Any) -> Any:
         m = self.model
-        x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(data)
-        grad_fn = jax.value_and_grad(m.compute_loss_and_updates, has_aux=True)
+        x, y, sw = compat.unpack_x_y_sample_weight(data)
+        grad_fn = jax.value_and_grad(compat.loss_and_updates(m), has_aux=True)
         (_, aux), grads = grad_fn(trainable, non_trainable, metrics, x, y, sw, training=True, optimizer_variables=opt_vars)
         unscaled_loss, y_pred, non_trainable, metrics = aux
-        _, metrics = m._update_metrics_variables(metrics, unscaled_loss, x, y, y_pred, sw)
-        return m.optimizer._clip_gradients(grads), non_trainable, metrics
+        _, metrics = compat.update_metrics_variables(m, metrics, unscaled_loss, x, y, y_pred, sw)
+        return compat.clip_gradients(m.optimizer, grads), non_trainable, metrics
 
     def train(self, state: tuple[list[Any], list[Any]], metrics: list[Any], batch: Any) -> Any:
         return self._train(state[0], state[1], metrics, self.opt_vars, batch)
@@ -147,13 +147,13 @@ class _Step:
         self.spec = spec
         self.rows: dict[int, Rows] = {}
         if spec.sparse:
-            x, y, sw = data_adapter_utils.unpack_x_y_sample_weight(batch)
+            x, y, sw = compat.unpack_x_y_sample_weight(batch)
             got = compact_inputs(x, spec.sparse, spec.num_inputs)
             if got is not None:
                 x, rows = got
                 self.rows = {e.trainable_index: r for e, r in zip(spec.sparse, rows)}
                 self.model = worker_model(spec, tuple(r.size for r in rows))
-                self.batch = data_adapter_utils.pack_x_y_sample_weight(x, y, sw)
+                self.batch = compat.pack_x_y_sample_weight(x, y, sw)
                 self.model.build(self.batch)
                 return
         self.model = worker_model(spec)

@@ -58,11 +58,11 @@ def _agree_on_seed() -> None:
     ``initialize_rng``); a seed set by the user is kept (then it must be the
     same on every process, as with Keras).
     """
-    from keras.src.utils import rng_utils
-
     import keras
 
-    if rng_utils.get_random_seed() is not None:
+    from jaxdist.keras.compat import get_random_seed
+
+    if get_random_seed() is not None:
         return
     from jax.experimental import multihost_utils
     import numpy as np

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -37,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.sync.hooks import entered_scope_hooks
 from jaxdist.sync.reduce_op import ReduceOp
 
 logger = logging.getLogger(__name__)
@@ -328,43 +328,12 @@ def enter_scope(strategy: Any) -> Iterator[Any]:
             )
     _state.scopes.append(strategy)
     try:
-        with _keras_scope(strategy):
+        # What code built on the sync core enters with every scope (Keras's view of the strategy, once
+        # jaxdist.keras is in use): registered in jaxdist.sync.hooks, never imported from here.
+        with entered_scope_hooks(strategy):
             yield strategy
     finally:
         _state.scopes.pop()
-
-
-_warned_keras_backend = False
-
-
-def _keras_scope(strategy: Any) -> contextlib.AbstractContextManager[Any]:
-    """Keras's view of ``strategy`` (:mod:`jaxdist.keras`) when Keras is in use in this process.
-
-    Keras is never imported here: a program that has not imported it gets
-    nothing. Keras on another backend than JAX cannot be distributed; that is
-    logged once and the scope is entered without it (``import jaxdist.keras``
-    raises instead).
-    """
-    global _warned_keras_backend
-    keras = sys.modules.get("keras")
-    if keras is None:
-        return contextlib.nullcontext()
-    backend_fn = getattr(getattr(keras, "config", None), "backend", None)
-    backend = backend_fn() if callable(backend_fn) else None
-    if backend != "jax":
-        if not _warned_keras_backend:
-            _warned_keras_backend = True
-            logger.warning(
-                "keras is imported with the %r backend: jaxdist strategies distribute Keras only on JAX "
-                "(set KERAS_BACKEND=jax, or import jaxdist.keras before keras); Keras models in %s.scope() are "
-                "NOT distributed",
-                backend,
-                type(strategy).__name__,
-            )
-        return contextlib.nullcontext()
-    from jaxdist.keras.scope import keras_scope
-
-    return keras_scope(strategy)
 
 
 @contextlib.contextmanager

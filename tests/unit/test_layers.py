@@ -14,6 +14,9 @@ except where a row says otherwise):
 5. ``jaxdist.worker``                         the worker role (uses the PS client)
 6. ``jaxdist`` (the public API, ``jaxdist.cluster_coordinator``, ``jaxdist.sync``, ``jaxdist.testing``)
    and ``jaxdist.tools`` (operator tools), which may import each other.
+
+Within layer 6, the Keras integration (``jaxdist.keras``) is imported only by itself and by the
+public API's lazy bridge (``jaxdist.keras_bridge``), and never by the sync core (``jaxdist.sync``).
 """
 
 from __future__ import annotations
@@ -157,3 +160,80 @@ def test_no_bare_folder_imports() -> None:
                 [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             problems.extend(f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in bare)
     assert not problems, "\n".join(problems)
+
+
+# ---------------------------------------------------------------------------------------
+# The Keras integration is reached through one door
+# ---------------------------------------------------------------------------------------
+
+#: The Keras integration (needs the keras extra, selects Keras's backend when imported).
+KERAS_WING = "jaxdist.keras"
+#: The public API's one lazy bridge to it (a scope hook and jaxdist.SidecarEvaluator).
+KERAS_BRIDGE = "jaxdist.keras_bridge"
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _literal_imports(source: str) -> list[tuple[int, str]]:
+    """``(line, module)`` of ``importlib.import_module("m")`` / ``__import__("m")`` calls with a literal name."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            if (isinstance(f, ast.Name) and f.id in ("__import__", "import_module")) or (
+                    isinstance(f, ast.Attribute) and f.attr == "import_module"):
+                out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def keras_wing_violations(module: str, source: str) -> list[str]:
+    """Imports of the Keras integration that the rule forbids (function-level ones included).
+
+    - the sync core (``jaxdist.sync``) imports neither ``jaxdist.keras`` nor the bridge: Keras reaches
+      ``strategy.scope()`` through a scope hook registered in ``jaxdist.sync.hooks``;
+    - elsewhere only ``jaxdist.keras`` itself and the bridge (``jaxdist.keras_bridge``) import it.
+    """
+    if _within(module, KERAS_WING):
+        return []
+    imports = jaxdist_imports(source, module) + _literal_imports(source)
+    found = []
+    for line, imported in imports:
+        if _within(module, "jaxdist.sync") and (_within(imported, KERAS_WING) or _within(imported, KERAS_BRIDGE)):
+            found.append(f"{module}:{line} imports {imported}: the sync core never imports the Keras integration "
+                         "(register a scope hook in jaxdist.sync.hooks instead)")
+        elif _within(imported, KERAS_WING) and module != KERAS_BRIDGE:
+            found.append(f"{module}:{line} imports {imported}: only {KERAS_BRIDGE} reaches into {KERAS_WING}")
+    return found
+
+
+def test_the_keras_integration_is_imported_only_through_the_bridge() -> None:
+    problems = []
+    for path in package_modules():
+        problems.extend(keras_wing_violations(module_name(path), path.read_text()))
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("module", "source"),
+    [
+        ("jaxdist.sync.context", "def _keras_scope(s):\n    from jaxdist.keras.scope import keras_scope\n    return keras_scope(s)\n"),
+        ("jaxdist.sync.strategies", "import jaxdist.keras\n"),
+        ("jaxdist.sync.loops", "from jaxdist import keras\n"),
+        ("jaxdist.sync.context", "import importlib\ndef f():\n    return importlib.import_module('jaxdist.keras.scope')\n"),
+        ("jaxdist.sync.context", "def f():\n    from jaxdist.keras_bridge import scope_hook\n"),
+        ("jaxdist.strategy", "def f():\n    from jaxdist.keras.sidecar import SidecarEvaluator\n"),
+        ("jaxdist", "def __getattr__(name):\n    from jaxdist.keras.sidecar import SidecarEvaluator\n"),
+    ],
+)
+def test_the_rule_catches_an_import_of_the_keras_integration(module: str, source: str) -> None:
+    assert keras_wing_violations(module, source), f"{module} importing the Keras integration was not caught"
+
+
+def test_the_bridge_and_the_integration_may_import_it() -> None:
+    assert not keras_wing_violations("jaxdist.keras_bridge", "def f():\n    from jaxdist.keras.scope import keras_scope\n")
+    assert not keras_wing_violations("jaxdist.keras.ps_fit", "from jaxdist.keras.data import Batches\n")
+    assert not keras_wing_violations("jaxdist.sync.context", "from jaxdist.sync.hooks import entered_scope_hooks\n")
+    assert not keras_wing_violations("jaxdist", "from jaxdist import keras_bridge\n")

@@ -1,0 +1,69 @@
+"""What ``strategy.scope()`` also enters: hooks registered by the code built on the sync core.
+
+The sync core never imports what is built on it (the Keras integration, :mod:`jaxdist.keras`, is one;
+``tests/unit/test_layers.py`` checks it): such code registers a *scope hook* here instead, as the
+cluster resolvers register themselves with the code that looks them up. Inside every
+``strategy.scope()`` (:func:`jaxdist.sync.context.enter_scope`) each registered hook is called with
+the strategy and the context manager it returns is entered, in registration order, after the strategy
+became current; they are exited in reverse order before it stops being current.
+
+Registered by jaxdist itself: ``"keras"``, Keras's view of the strategy. ``import jaxdist`` registers
+:func:`jaxdist.keras_bridge.scope_hook` (nothing until Keras is imported; on Keras's JAX backend it
+imports :mod:`jaxdist.keras`), and ``import jaxdist.keras`` replaces it with
+:func:`jaxdist.keras.scope.keras_scope`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ScopeHook", "entered_scope_hooks", "register_scope_hook", "scope_hooks", "unregister_scope_hook"]
+
+#: ``hook(strategy)`` returns the context manager to enter inside ``strategy.scope()``
+#: (``contextlib.nullcontext()`` for nothing).
+ScopeHook = Callable[[Any], AbstractContextManager[Any]]
+
+_lock = threading.Lock()
+_hooks: dict[str, ScopeHook] = {}
+
+
+def register_scope_hook(name: str, hook: ScopeHook) -> None:
+    """Enter ``hook(strategy)`` inside every ``strategy.scope()`` from now on.
+
+    A hook already registered under ``name`` is replaced, keeping its place in the order (how
+    ``jaxdist.keras`` takes over from the stand-in ``import jaxdist`` registers).
+    """
+    if not callable(hook):
+        raise TypeError(f"scope hook {name!r} must be callable, got {type(hook).__name__}")
+    with _lock:
+        _hooks[name] = hook
+
+
+def unregister_scope_hook(name: str) -> ScopeHook | None:
+    """Remove the hook registered under ``name``; returns it (None: there was none)."""
+    with _lock:
+        return _hooks.pop(name, None)
+
+
+def scope_hooks() -> dict[str, ScopeHook]:
+    """The registered hooks by name, in the order they are entered (a copy)."""
+    with _lock:
+        return dict(_hooks)
+
+
+@contextlib.contextmanager
+def entered_scope_hooks(strategy: Any) -> Iterator[None]:
+    """Enter every registered hook's context for ``strategy`` (the hooks registered when the block starts)."""
+    with _lock:
+        hooks = list(_hooks.values())
+    with contextlib.ExitStack() as stack:
+        for hook in hooks:
+            stack.enter_context(hook(strategy))
+        yield
