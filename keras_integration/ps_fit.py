@@ -432,7 +432,10 @@ def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: i
     """One pass over ``num_batches`` batches of exactly-once iterator ``it``; returns the logs."""
     spec = pm.spec()
     spe = _steps_per_execution(model)
-    step_fn = EvalSteps(spec, spe)
+    # The pass's last closure takes only the batches left: a closure of `spe` steps would take
+    # `spe` ledger positions, past the end of this pass and into the next one (fit validates
+    # every epoch from one exactly-once dataset whose ledger runs one pass per validation).
+    step_fns = {k: EvalSteps(spec, k) for k in {spe, num_batches % spe} if k}
     verbose = 1 if verbose == "auto" else verbose
     cbs = keras.callbacks.CallbackList(callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
                                        steps=num_batches, model=model)
@@ -442,7 +445,7 @@ def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: i
     cbs.on_test_begin()
     for begin in range(0, num_batches, spe):
         cbs.on_test_batch_begin(begin)
-        inflight.add(coord.schedule(step_fn, args=(it,)))
+        inflight.add(coord.schedule(step_fns[min(spe, num_batches - begin)], args=(it,)))
         cbs.on_test_batch_end(min(begin + spe, num_batches) - 1, metrics.logs())
     coord.join()
     inflight.drain()

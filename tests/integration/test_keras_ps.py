@@ -329,6 +329,62 @@ def validation_data_is_evaluated_each_epoch() -> None:
     np.testing.assert_allclose(hist.history["val_loss"][-1], last["loss"], rtol=1e-6)
 
 
+class _CoordinatorValidation:
+    """A callback: at each epoch's end, the validation loss computed on the coordinator at the weights
+    the validation ran with (Keras's own predict, which reads the PS's weights), beside fit's val_loss."""
+
+    def __init__(self, xv: Any, yv: Any) -> None:
+        import keras
+
+        class Callback(keras.callbacks.Callback):
+            def on_epoch_end(cb, epoch: int, logs: Any = None) -> None:  # noqa: N805 - the outer object is self
+                import numpy as np
+
+                logits = cb.model.predict(xv, verbose=0)
+                z = logits - logits.max(axis=1, keepdims=True)
+                losses = np.log(np.exp(z).sum(axis=1)) - z[np.arange(len(yv)), yv]
+                self.rows.append((float(logs["val_loss"]), float(losses.mean())))
+
+        self.rows: list[tuple[float, float]] = []
+        self.callback = Callback()
+
+
+@check
+def validation_is_exact_for_every_steps_per_execution() -> None:
+    """fit's val_loss under ParameterServerStrategy equals the coordinator's own evaluation at the same
+    weights, every epoch, for steps_per_execution 1, 2, 4, 10 with 3 and 7 validation batches, on 1 and 2
+    workers. Each validation's last closure took steps_per_execution batches even past the end of the pass,
+    eating into the next epoch's validation (wrong val_loss, then 0.0)."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    x, y = _data(n=96)
+    failures = []
+    for workers in (1, 2):
+        with _cluster(workers, 1) as cluster:
+            for spe in (1, 2, 4, 10):
+                for val_batches in (3, 7):
+                    xv, yv = _data(n=val_batches * 8 - 3, seed=3)  # the last batch short: 5 rows
+                    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+                    try:
+                        with strategy.scope():
+                            model = _mlp(keras.optimizers.SGD(0.1), steps_per_execution=spe)
+                        seen = _CoordinatorValidation(xv, yv)
+                        model.fit(jaxdist.keras.DatasetCreator(Batches(x, y, 32)), epochs=4, steps_per_epoch=3,
+                                  validation_data=(xv, yv), validation_batch_size=8, callbacks=[seen.callback],
+                                  verbose=0)
+                    finally:
+                        _close(strategy)
+                    got = np.array(seen.rows)
+                    if len(got) != 4 or not np.allclose(got[:, 0], got[:, 1], rtol=1e-5, atol=1e-6):
+                        failures.append(f"workers={workers} spe={spe} val_batches={val_batches}: "
+                                        f"(val_loss, coordinator's) per epoch {seen.rows}")
+    assert not failures, "\n".join(failures)
+
+
 def _embedding_parity(make_optimizer: Callable[[], Any], sparse: bool, vocab: int = 20_000, dim: int = 16) -> None:
     """An Embedding partitioned over 3 PS tasks (a ShardedVariable): the same weights and evaluation as Keras's
     single-device fit; with a row-sparse update rule, each step pulls only the looked-up rows of the table."""
