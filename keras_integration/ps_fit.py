@@ -413,8 +413,8 @@ def _eval_source(x: Any, y: Any, sample_weight: Any, batch_size: int | None, ste
     return source, len(source) if steps is None else min(int(steps), len(source)), source[0]
 
 
-def evaluate(model: Any, x: Any = None, y: Any = None, sample_weight: Any = None, batch_size: int | None = None,
-             verbose: Any = "auto", steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
+def evaluate(model: Any, x: Any = None, y: Any = None, batch_size: int | None = None, verbose: Any = "auto",
+             sample_weight: Any = None, steps: int | None = None, callbacks: Any = None, return_dict: bool = False,
              **kwargs: Any) -> Any:
     """Keras's ``evaluate`` under ParameterServerStrategy: every batch exactly once (see the module docstring)."""
     if kwargs:

@@ -322,11 +322,15 @@ def validation_data_is_evaluated_each_epoch() -> None:
             counts = [float(v.numpy()) for v in model.metrics_variables if v.path.endswith("count")]
             assert counts == [70.0] * len(counts), counts
             last = model.evaluate(xv, yv, return_dict=True, verbose=0)
+            # Keras's positional order (x, y, batch_size, verbose, sample_weight): 16 is the batch size; it was
+            # taken as sample_weight (an indexing error).
+            positional = model.evaluate(xv, yv, 16, 0, None, return_dict=True)
         finally:
             _close(strategy)
     assert set(hist.history) == {"loss", "accuracy", "val_loss", "val_accuracy"}, hist.history
     assert len(hist.history["val_loss"]) == 3, hist.history
     np.testing.assert_allclose(hist.history["val_loss"][-1], last["loss"], rtol=1e-6)
+    np.testing.assert_allclose(positional["loss"], last["loss"], rtol=1e-6)
 
 
 class _CoordinatorValidation:
