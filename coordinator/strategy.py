@@ -55,7 +55,11 @@ def get_ps_strategy() -> ParameterServerStrategy:
     """The ParameterServerStrategy whose ``scope()`` is open here (innermost)."""
     stack = _scopes.get()
     if not stack:
-        raise ConfigurationError("no ParameterServerStrategy scope is open: create variables inside `with strategy.scope():`")
+        raise ConfigurationError(
+            "no strategy scope is open here: create variables inside `with strategy.scope():` of the strategy "
+            "that trains them: a ParameterServerStrategy (variables on the parameter servers) or a synchronous "
+            "strategy (MirroredStrategy, OneDeviceStrategy, ...; `jaxdist.get_strategy().scope()` for the default "
+            "strategy on one device)")
     return stack[-1]
 
 

@@ -69,3 +69,14 @@ def test_a_chief_task_in_the_cluster_is_accepted(cluster: InProcessCluster) -> N
     strategy = jaxdist.ParameterServerStrategy(
         jaxdist.SimpleClusterResolver(spec, task_type="chief", task_id=0, token=cluster.credentials.token, tls=cluster.credentials.tls))
     strategy.close()
+
+
+def test_variables_outside_every_scope_name_both_kinds_of_strategy() -> None:
+    """Outside any scope, create_variables said "no ParameterServerStrategy scope is open", also in a program
+    with no parameter servers; it names both kinds of scope, and the one-device default strategy's."""
+    with pytest.raises(jaxdist.errors.ConfigurationError,
+                       match=r"no strategy scope is open.*ParameterServerStrategy.*synchronous.*get_strategy\(\)\.scope\(\)"):
+        jaxdist.create_variables({"w": np.zeros(2, np.float32)})
+    with jaxdist.get_strategy().scope():  # the default strategy: one device, no parameter servers
+        w = jaxdist.create_variables({"w": np.ones(2, np.float32)})["w"]
+    np.testing.assert_array_equal(np.asarray(w.numpy()), np.ones(2, np.float32))
