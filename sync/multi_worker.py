@@ -61,15 +61,12 @@ leaves the coordination service and stops heartbeating.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import socket
 import sys
-import threading
-import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -87,26 +84,20 @@ from jaxdist.sync.coordination import (
     PeerFailedError,
 )
 from jaxdist.sync import cross_device_ops as cdo
+from jaxdist.sync.engine import MeshEngine
+from jaxdist.sync.mesh import MeshStrategy
+from jaxdist.sync.peer_watch import EXIT_PEER_FAILED, PeerWatch
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.mesh import _MeshStrategy
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiWorkerMirroredStrategy", "PeerFailedError", "EXIT_PEER_FAILED"]
-
-#: Exit status of a process aborted because a peer died: 138 (128 + SIGUSR1) is
-#: the code Kubeflow's TFJob ``ExitCode`` restart policy reserves for
-#: user-defined retryable failures, so the job is restarted rather than failed.
-EXIT_PEER_FAILED = 138
 
 #: Jobs (TF_CONFIG task types) that take part in the collectives, in rank order.
 _COLLECTIVE_JOBS = ("chief", "worker")
 
 #: Default seconds to wait for every process to register and for JAX's coordinator.
 _DEFAULT_INIT_TIMEOUT_S = 120.0
-
-#: Seconds between readiness checks while waiting for a step in "raise" mode.
-_POLL_S = 0.002
 
 #: JAX's own heartbeat timeout, a backstop behind jaxdist's faster detection.
 _DEFAULT_JAX_HEARTBEAT_TIMEOUT_S = 100
@@ -127,7 +118,8 @@ def _free_port(host: str) -> int:
         return int(s.getsockname()[1])
 
 
-def _backends_initialized() -> bool:
+def backends_initialized() -> bool:
+    """Whether JAX has picked its devices in this process (then it can no longer join a multi-process job)."""
     try:
         from jax._src import xla_bridge
 
@@ -136,7 +128,7 @@ def _backends_initialized() -> bool:
         return False
 
 
-class MultiWorkerMirroredStrategy(_MeshStrategy):
+class MultiWorkerMirroredStrategy(MeshStrategy):
     """Synchronous training across processes (``tf.distribute.MultiWorkerMirroredStrategy``).
 
     Create it at the start of every process of the job, before any other JAX
@@ -171,10 +163,6 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             died during bring-up.
     """
 
-    #: CommunicationOptions.timeout_seconds (None: no collective timeout).
-    _collective_timeout: float | None = None
-    _watched: tuple[float, list[Any] | None] | None = None
-
     def __init__(
         self,
         cluster_resolver: ClusterResolver | None = None,
@@ -191,11 +179,6 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         opts = cdo.check_options(communication_options, "MultiWorkerMirroredStrategy(communication_options=...)")
         if on_peer_failure not in ("abort", "raise"):
             raise E.ConfigurationError(f"on_peer_failure must be 'abort' or 'raise', got {on_peer_failure!r}")
-        self._on_peer_failure_mode = on_peer_failure
-        self._peer_timeout = peer_timeout_s
-        self._interval = heartbeat_interval_s
-        self._failure: PeerFailedError | None = None
-        self._failure_lock = threading.Lock()
         self._service: CoordinationService | None = None
         self._client: CoordinationClient | None = None
         self._heartbeat: HeartbeatSender | None = None
@@ -220,6 +203,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
                 )
             logger.info("MultiWorkerMirroredStrategy: single process, %d local device(s)", jax.local_device_count())
             self._rank, self._nproc, self._task = 0, 1, (f"{members[0][0]}:{members[0][1]}" if members else "local")
+            self._watch = self._new_watch(on_peer_failure, peer_timeout_s, heartbeat_interval_s)
             super().__init__(jax.local_devices())
             self._apply_communication_options(opts)
             return
@@ -236,6 +220,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         self._rank = ranks.index(me)
         self._nproc = len(members)
         self._task = f"{me[0]}:{me[1]}"
+        self._watch = self._new_watch(on_peer_failure, peer_timeout_s, heartbeat_interval_s)
         chief_job, chief_idx, chief_addr = members[0]
         chief_task = f"{chief_job}:{chief_idx}"
         host, _, port_s = chief_addr.rpartition(":")
@@ -245,7 +230,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
                 "jax.distributed is already initialized; MultiWorkerMirroredStrategy initializes it itself. "
                 "Create the strategy instead of calling jax.distributed.initialize()"
             )
-        if _backends_initialized():
+        if backends_initialized():
             raise E.ConfigurationError(
                 "JAX is already in use in this process (devices or arrays were created), so it can no longer "
                 "join a multi-process job. Create MultiWorkerMirroredStrategy first, before any other JAX call"
@@ -262,11 +247,12 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
                     bind_host,
                     int(port_s),
                     resolver.credentials,
-                    on_failure=self._handle_failure,
+                    on_failure=self._watch.handle,
                     check_interval_s=heartbeat_interval_s / 2,
                     insecure=insecure,
                 )
                 self._service.start()
+                self._watch.serving = True
                 logger.info("coordination service for %d processes on %s", self._nproc, chief_addr)
             self._client = CoordinationClient(chief_addr, resolver.credentials, chief_task)
             session = self._client.register(self._rank, self._task, self._incarnation, timeout=init_timeout_s)
@@ -275,13 +261,13 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
                     self._client,
                     self._rank,
                     self._incarnation,
-                    on_failure=self._handle_failure,
+                    on_failure=self._watch.handle,
                     interval_s=heartbeat_interval_s,
                     peer_timeout_s=peer_timeout_s,
                 )
                 self._heartbeat.start()
             self._client.wait_all(self._rank, timeout=init_timeout_s)
-            self._raise_if_failed()
+            self._watch.raise_if_failed()
 
             if cpu_collectives is not None:
                 jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
@@ -347,140 +333,50 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
     @property
     def failure(self) -> PeerFailedError | None:
         """The peer failure seen so far, if any."""
-        return self._failure
+        return self._watch.failure
 
     # -- failures -------------------------------------------------------------------
 
-    def _handle_failure(self, err: PeerFailedError) -> None:
-        with self._failure_lock:
-            if self._failure is not None or self._closed:
-                return
-            self._failure = err
-        if self._on_peer_failure_mode == "raise":
-            logger.error("peer failure recorded; the next strategy call raises it: %s", err)
-            return
-        msg = (
-            f"jaxdist: PeerFailedError on {self._task} (process {self._rank}): {err}. "
-            f"Aborting this process with exit code {EXIT_PEER_FAILED}: it may be blocked in a collective with the "
-            "dead peer. Restart every process of the job from the last checkpoint."
+    def _new_watch(self, on_peer_failure: str, peer_timeout_s: float, heartbeat_interval_s: float) -> PeerWatch:
+        return PeerWatch(
+            on_peer_failure,
+            task=self._task,
+            rank=self._rank,
+            num_processes=self._nproc,
+            peer_timeout_s=peer_timeout_s,
+            heartbeat_interval_s=heartbeat_interval_s,
         )
-        try:
-            logger.critical("%s", msg)  # without handlers, logging's last resort prints it to stderr
-            if logger.hasHandlers():
-                sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-            for h in logging.getLogger().handlers:
-                h.flush()
-            # Said first (above): the main thread may reach interpreter exit meanwhile.
-            if self._service is not None:
-                # Process 0: keep serving briefly so the other survivors learn of the failure
-                # from their next heartbeat instead of waiting out their own timeout.
-                threading.Event().wait(min(1.0, 2 * self._interval))
-        finally:
-            os._exit(EXIT_PEER_FAILED)
 
-    def _raise_if_failed(self) -> None:
-        err = self._failure
-        if err is not None:
-            raise PeerFailedError(str(err), task=err.task, rank=err.rank) from err
-
-    def _await_failure(self, timeout: float) -> PeerFailedError | None:
-        deadline = time.monotonic() + timeout
-        while self._failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self._failure
-
-    @contextlib.contextmanager
-    def _typed_errors(self) -> Iterator[None]:
-        """Raise PeerFailedError for a runtime error that a dead peer caused."""
-        self._raise_if_failed()
-        try:
-            yield
-        except jax.errors.JaxRuntimeError as e:
-            if self._nproc == 1:
-                raise
-            # A collective with a dead peer fails before the heartbeats notice; wait for them.
-            err = self._await_failure(self._peer_timeout + 2 * self._interval)
-            if err is None:
-                raise
-            raise PeerFailedError(str(err), task=err.task, rank=err.rank) from e
-
-    def _dispatch(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._on_peer_failure_mode == "raise" and self._nproc > 1 and self._in_flight is not None:
-            # Wait for the previous program without blocking in C++, so that a collective
-            # stuck on a dead peer can be abandoned with PeerFailedError.
-            leaves = [x for x in jax.tree.leaves(self._in_flight) if isinstance(x, jax.Array)]
-            while not all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]  # jax.Array's stub lacks it
-                self._raise_if_failed()
-                time.sleep(_POLL_S)
-        watch = self._collective_timeout is not None and not any(
-            isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)
-        )
-        if watch:
-            # Watched from before the call: the first collective's set-up (e.g. gloo's rendezvous with the
-            # peers) happens inside the dispatch itself and would otherwise wait unwatched.
-            self._watched = (time.monotonic(), None)
-        out = super()._dispatch(fn, *args)
-        if watch:
-            self._watched = (self._watched[0] if self._watched else time.monotonic(),
-                             [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)])
-        return out
+    def _new_engine(self, devices: list[jax.Device]) -> MeshEngine:
+        return MeshEngine(self, devices, guard=self._watch)
 
     def _apply_communication_options(self, opts: cdo.CommunicationOptions | None) -> None:
         """How collectives are done (implementation, packs) and the collective timeout."""
-        self._communication_options = opts
-        self._collective_timeout: float | None = None
-        self._watched: tuple[float, list[Any] | None] | None = None
+        self._engine.communication_options = opts
         if opts is None:
             return
-        plan = cdo.plan_from_options(opts, self._platform())
+        plan = cdo.plan_from_options(opts, self._engine.platform)
         if plan is not None:
-            self._cross_device_ops = plan
-        self._collective_timeout = opts.timeout
-        if self._collective_timeout is not None:
-            threading.Thread(target=self._watch_timeout, name="jaxdist-collective-timeout", daemon=True).start()
-
-    def _watch_timeout(self) -> None:
-        """Fail the job when a dispatched step has not finished within timeout_seconds (TF: DeadlineExceeded)."""
-        assert self._collective_timeout is not None
-        limit = self._collective_timeout
-        period = min(0.1, limit / 10)
-        while not self._closed and self._failure is None:
-            time.sleep(period)
-            watched = self._watched
-            if watched is None:
-                continue
-            t0, leaves = watched
-            if leaves is not None and all(x.is_ready() for x in leaves):
-                self._watched = None
-                continue
-            if time.monotonic() - t0 > limit:
-                self._handle_failure(
-                    PeerFailedError(
-                        f"a step's collectives did not finish within CommunicationOptions(timeout_seconds={limit}) "
-                        "(a peer is stuck or too slow)",
-                        task=self._task,
-                        rank=self._rank,
-                    )
-                )
-                return
+            self._engine.cross_device_ops = plan
+        if opts.timeout is not None:
+            self._watch.start_timeout_watch(opts.timeout)
 
     def _run(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None, steps: int | None = None
     ) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super()._run(fn, args, kwargs, steps)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().reduce(reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().gather(value, axis)
 
     def replicate(self, value: Any) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().replicate(value)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -501,9 +397,9 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         self._shutting_down = True
         if self._initialized_jax:
             self._initialized_jax = False
-            if self._failure is not None:
+            if self._watch.failure is not None:
                 # The barrier would wait for the dead peer until JAX's own heartbeat timeout.
-                logger.warning("skipping jax.distributed.shutdown(): %s", self._failure)
+                logger.warning("skipping jax.distributed.shutdown(): %s", self._watch.failure)
             else:
                 try:
                     jax.distributed.shutdown()
@@ -518,15 +414,15 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         own shutdown barrier (run when its client is destroyed) until its
         heartbeat timeout, so the process ends at once with :data:`EXIT_PEER_FAILED`.
         """
-        if self._failure is not None and self._nproc > 1:
+        if self._watch.failure is not None and self._nproc > 1:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_PEER_FAILED)
         self.shutdown()
 
     def _teardown(self) -> None:
-        with self._failure_lock:
-            self._closed = True
+        self._closed = True
+        self._watch.close()
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
@@ -541,6 +437,7 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         if self._service is not None:
             self._service.stop()
             self._service = None
+            self._watch.serving = False
 
     def __repr__(self) -> str:
         return (
