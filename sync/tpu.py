@@ -110,7 +110,7 @@ def experimental_connect_to_cluster(
             f"jax.distributed is already initialized for {jax.process_count()} processes (this one {jax.process_index()}), "
             f"but the resolver describes {n} (this one {pid})"
         )
-    from jaxdist.sync.multi_worker import backends_initialized
+    from jaxdist.sync.job_session import backends_initialized
 
     if backends_initialized():
         raise ConfigurationError(
