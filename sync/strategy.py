@@ -70,6 +70,7 @@ import numpy as np
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext, ValueContext
 from jaxdist.sync import context as ctx_lib
+from jaxdist.sync import cross_device_ops as cdo
 from jaxdist.sync.engine import AXIS, SyncEngine
 from jaxdist.sync.extended import StrategyExtended
 from jaxdist.sync.reduce_op import ReduceOp
@@ -369,7 +370,7 @@ class Strategy:
 
     # -- collectives -------------------------------------------------------------------
 
-    def collective_plan(self, options: Any, what: str) -> Any:
+    def collective_plan(self, options: Any, what: str) -> cdo.CrossDeviceOps:
         """The cross-device ops a collective called with ``options`` uses (see :meth:`SyncEngine.collective_plan`)."""
         return self._engine.collective_plan(options, what)
 
