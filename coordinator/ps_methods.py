@@ -63,16 +63,25 @@ def _worker_context() -> tuple[int, int] | None:
 
 
 def _make_local_mirrored_class() -> type:
+    import jax
+
+    from jaxdist.sync.engine import MeshEngine
     from jaxdist.sync.strategies import MirroredStrategy
+
+    class LocalEngine(MeshEngine):
+        """A local MirroredStrategy's engine: input pipelines are numbered by worker."""
+
+        def input_context(self) -> InputContext:
+            w = _worker_context()
+            if w is None:
+                return InputContext(1, 0, self.num_replicas)
+            return InputContext(w[0], w[1], self.num_replicas)
 
     class LocalMirrored(MirroredStrategy):
         """MirroredStrategy over one process's devices, whose input pipelines are numbered by worker."""
 
-        def _input_context(self) -> InputContext:
-            w = _worker_context()
-            if w is None:
-                return InputContext(1, 0, self.num_replicas_in_sync)
-            return InputContext(w[0], w[1], self.num_replicas_in_sync)
+        def _new_engine(self, devices: list[jax.Device]) -> MeshEngine:
+            return LocalEngine(self, devices)
 
     return LocalMirrored
 
@@ -92,8 +101,6 @@ _LocalMirrored = _LazyClass()
 
 class _Delegating:
     """Strategy methods answered by this process's local MirroredStrategy."""
-
-    _is_default = False
 
     def _local(self) -> Any:
         return _local_strategy()

@@ -24,11 +24,10 @@ _PS_ONLY = ("optimizer", "if_exists", "initializer", "shape")
 def sync_strategy_in_scope(kwargs: dict[str, Any]) -> Any:
     """The synchronous strategy whose scope is innermost, or None (then the PS path applies)."""
     from jaxdist.sync import context as ctx_lib
+    from jaxdist.sync.strategy import Strategy
 
-    if not ctx_lib._state.scopes:
-        return None
-    top = ctx_lib._state.scopes[-1]
-    if not hasattr(top, "_create_sync_variable"):
+    top = ctx_lib.innermost_scope()
+    if not isinstance(top, Strategy):
         return None
     bad = [k for k in _PS_ONLY if kwargs.get(k) is not None]
     if bad:

@@ -19,6 +19,8 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+from jaxdist.sync.context import is_default_strategy
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["distribution_for", "keras_scope"]
@@ -28,7 +30,7 @@ _distributions: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary(
 
 def distribution_for(strategy: Any) -> Any:
     """The Keras distribution ``strategy.scope()`` makes current, or None (the default strategy)."""
-    if getattr(strategy, "_is_default", False):
+    if is_default_strategy(strategy):
         return None
     from jaxdist.strategy import ParameterServerStrategy
 

@@ -44,6 +44,8 @@ import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
+from jaxdist.sync.optimizer import Optimizer
+from jaxdist.sync.strategy import Strategy
 from jaxdist.sync.variables import SyncVariable
 
 logger = logging.getLogger(__name__)
@@ -55,11 +57,17 @@ FILE_NAME = "vars-0.npz"
 
 def is_sync_strategy(strategy: Any) -> bool:
     """Whether ``strategy`` holds synchronous variables (every strategy but the PS one)."""
-    return strategy is None or hasattr(strategy, "_create_sync_variable")
+    return strategy is None or isinstance(strategy, Strategy)
 
 
-def _strategy(ckpt: Any) -> Any:
-    return ckpt.strategy if ckpt.strategy is not None else ctx_lib.get_strategy()
+def _strategy(ckpt: Any) -> Strategy:
+    s = ckpt.strategy if ckpt.strategy is not None else ctx_lib.get_strategy()
+    if not isinstance(s, Strategy):
+        raise ConfigurationError(
+            f"{type(s).__name__} does not hold synchronous variables: pass Checkpoint the strategy whose variables "
+            "to save"
+        )
+    return s
 
 
 def _host(x: Any) -> np.ndarray:
@@ -69,19 +77,15 @@ def _host(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
-def _process_ids(strategy: Any) -> list[int]:
-    return list(getattr(strategy, "_process_ids", [0]))
+def _is_writer(strategy: Strategy) -> bool:
+    return jax.process_index() == min(strategy.engine.process_ids)
 
 
-def _is_writer(strategy: Any) -> bool:
-    return jax.process_index() == min(_process_ids(strategy))
+def _multi(strategy: Strategy) -> bool:
+    return strategy.engine.multi_process
 
 
-def _multi(strategy: Any) -> bool:
-    return len(_process_ids(strategy)) > 1
-
-
-def _agree(strategy: Any, value: int, what: str) -> int:
+def _agree(strategy: Strategy, value: int, what: str) -> int:
     """Process 0's ``value`` on every process (a barrier when the job has several processes)."""
     if not _multi(strategy):
         return value
@@ -102,20 +106,22 @@ def _check_no_ledger(ckpt: Any) -> None:
         )
 
 
-def _live_optimizers(strategy: Any, include_unbuilt: bool = False) -> list[Any]:
+def _live_optimizers(strategy: Strategy, include_unbuilt: bool = False) -> list[Optimizer]:
     """Optimizers whose parameters are the strategy's registered variables of their names (not replaced since)."""
+    registry = strategy.engine.variables
     out = []
-    for opt in list(strategy._optimizers):
-        if opt._vars is None:
+    for opt in strategy.engine.optimizers():
+        params = opt.parameters
+        if params is None:
             if include_unbuilt:
                 out.append(opt)
             continue
-        if all(strategy._variables.get(v.name) is v for v in opt._vars):
+        if all(registry.get(v.name) is v for v in params):
             out.append(opt)
     return out
 
 
-def _collect(strategy: Any) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
+def _collect(strategy: Strategy) -> tuple[dict[str, np.ndarray], dict[str, dict[str, Any]]]:
     """Arrays to write and the manifest's variables section."""
     per_var_opt: dict[str, list[Any]] = {}
     for opt in _live_optimizers(strategy):
@@ -125,7 +131,7 @@ def _collect(strategy: Any) -> tuple[dict[str, np.ndarray], dict[str, dict[str, 
     arrays: dict[str, np.ndarray] = {}
     variables: dict[str, dict[str, Any]] = {}
     with ctx_lib.outside_frames():
-        for name, var in strategy._variables.items():
+        for name, var in strategy.engine.variables.items():
             if not var.checkpointed:
                 continue
             value = _host(var.value())
@@ -150,7 +156,7 @@ def save(ckpt: Any, path: str) -> str:
 
     _check_no_ledger(ckpt)
     strategy = _strategy(ckpt)
-    if ctx_lib._state.replica and not ctx_lib._state.merge:
+    if ctx_lib.in_replica_fn():
         raise RuntimeError("Checkpoint.save() was called inside strategy.run: save in cross-replica context")
     path = os.path.abspath(path)
     arrays, variables = _collect(strategy)  # every process (cheap: replicated values, no collectives)
@@ -214,7 +220,7 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
 
     _check_no_ledger(ckpt)
     strategy = _strategy(ckpt)
-    if ctx_lib._state.replica and not ctx_lib._state.merge:
+    if ctx_lib.in_replica_fn():
         raise RuntimeError("Checkpoint.restore() was called inside strategy.run: restore in cross-replica context")
     if _multi(strategy):
         mine = _digest(path)
@@ -228,7 +234,8 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
             )
     data = load(path, with_optimizer_state=True)
     saved = data["variables"]
-    names = variables if variables is not None else [n for n, v in strategy._variables.items() if v.checkpointed]
+    registry = strategy.engine.variables
+    names = variables if variables is not None else [n for n, v in registry.items() if v.checkpointed]
     missing = [n for n in names if n not in saved]
     if names and len(missing) == len(names):
         raise ConfigurationError(
@@ -244,7 +251,7 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
         )
     with ctx_lib.outside_frames():
         for name in names:
-            var: SyncVariable | None = strategy._variables.get(name)
+            var: SyncVariable | None = registry.get(name)
             if var is None:
                 raise ConfigurationError(f"{type(strategy).__name__} has no variable {name!r}")
             value = saved.get(name)
@@ -255,12 +262,12 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
             var.assign(value.astype(var.dtype), read_value=False)
         opt_state = data.get("optimizer_state") or {}
         for opt in _live_optimizers(strategy, include_unbuilt=True):
-            saved_state = {v.name: opt_state.get(v.name) for v in (opt._vars or [])}
-            if opt._vars is None:  # TF's deferred restoration: applied when the optimizer is built
-                opt._pending_restore = dict(opt_state)
-                opt._pending_variables = {k: v for k, v in saved.items() if k.startswith(f"{opt.name}/")}
+            params = opt.parameters
+            if params is None:  # TF's deferred restoration: applied when the optimizer is built
+                opt.defer_restore(dict(opt_state), {k: v for k, v in saved.items() if k.startswith(f"{opt.name}/")})
                 continue
-            if opt._layout is None:
+            saved_state = {v.name: opt_state.get(v.name) for v in params}
+            if not opt.per_variable:
                 continue  # whole-state variables were restored by name above
             present = {k: v for k, v in saved_state.items() if v}
             if not present:

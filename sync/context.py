@@ -42,6 +42,7 @@ from jaxdist.sync.reduce_op import ReduceOp
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
+    from jaxdist.sync.strategy import Strategy
     from jaxdist.sync.variables import VarFrame
 
 __all__ = [
@@ -82,7 +83,7 @@ class ReplicaContext:
     """
 
     def __init__(
-        self, strategy: Any, axis_name: str | None, num_rows: Any = None, padded_rows: int | None = None
+        self, strategy: Strategy, axis_name: str | None, num_rows: Any = None, padded_rows: int | None = None
     ) -> None:
         self._strategy = strategy
         self._axis_name = axis_name
@@ -95,7 +96,7 @@ class ReplicaContext:
         self.declared: list[tuple[Any, str]] = []
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> Strategy:
         return self._strategy
 
     @property
@@ -180,12 +181,12 @@ class ReplicaContext:
         op = ReduceOp.coerce(reduce_op)
         if self._axis_name is None:
             return jax.tree.map(jnp.asarray, value)
-        return self._strategy._in_replica_all_reduce(op, value, options)
+        return self._strategy.engine.all_reduce_in_replica(op, value, options)
 
     def all_gather(self, value: Any, axis: int, options: Any = None) -> Any:
         """Concatenate every replica's leaves along ``axis`` (replica order); every replica gets the result."""
         if options is not None:
-            self._strategy._check_options(options, "all_gather")
+            self._strategy.engine.check_options(options, "all_gather")
         if self._axis_name is None:
             return jax.tree.map(jnp.asarray, value)
         return jax.tree.map(lambda x: jax.lax.all_gather(x, self._axis_name, axis=axis, tiled=True), value)
@@ -210,20 +211,20 @@ class ReplicaContext:
                 return merge_fn(self._strategy, *args, **kwargs)
         from jaxdist.sync.values import PerReplica
 
-        wrap = lambda x: _MergedValue(self, x) if _is_arraylike(x) else x  # noqa: E731
+        wrap = lambda x: MergedValue(self, x) if _is_arraylike(x) else x  # noqa: E731
         w_args = jax.tree.map(wrap, tuple(args))
         w_kwargs = jax.tree.map(wrap, kwargs)
         with enter_merge():
             out = merge_fn(self._strategy, *w_args, **w_kwargs)
 
         def unwrap(x: Any) -> Any:
-            if isinstance(x, _MergedValue):
+            if isinstance(x, MergedValue):
                 return x.local
             if isinstance(x, PerReplica):
                 raise TypeError("merge_fn returned a PerReplica value made outside the replica; return arrays")
             return x
 
-        return jax.tree.map(unwrap, out, is_leaf=lambda x: isinstance(x, (_MergedValue, PerReplica)))
+        return jax.tree.map(unwrap, out, is_leaf=lambda x: isinstance(x, (MergedValue, PerReplica)))
 
     def __repr__(self) -> str:
         return f"ReplicaContext(strategy={type(self._strategy).__name__}, axis_name={self._axis_name!r})"
@@ -235,7 +236,7 @@ def _is_arraylike(x: object) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, bool, jax.core.Tracer))
 
 
-class _MergedValue:
+class MergedValue:
     """Inside ``merge_fn``: one value per replica, handed over by ``merge_call`` (TF's ``PerReplica``).
 
     Each replica still holds only its own part (``local``); strategy methods
@@ -267,6 +268,13 @@ def _default_strategy() -> Any:
     return default_strategy()
 
 
+def is_default_strategy(strategy: object) -> bool:
+    """Whether ``strategy`` is the default strategy (the pass-through one current outside any scope)."""
+    from jaxdist.sync.strategy import is_default_strategy as is_default
+
+    return is_default(strategy)
+
+
 def get_strategy() -> Any:
     """The current strategy: the one whose ``scope()`` or ``run`` is active, else the default strategy.
 
@@ -281,7 +289,7 @@ def get_strategy() -> Any:
 
 def has_strategy() -> bool:
     """Whether a non-default strategy is current."""
-    return bool(_state.replica) or any(not getattr(s, "_is_default", False) for s in _state.scopes)
+    return bool(_state.replica) or any(not is_default_strategy(s) for s in _state.scopes)
 
 
 def in_cross_replica_context() -> bool:
@@ -289,6 +297,19 @@ def in_cross_replica_context() -> bool:
     if _state.replica and not _state.merge:
         return False
     return has_strategy()
+
+
+def in_replica_fn() -> bool:
+    """Whether ``fn`` of a ``strategy.run`` is being traced here (replica context), outside any ``merge_fn``.
+
+    Cross-replica methods (``strategy.reduce``, ``Checkpoint.save``...) refuse to run there.
+    """
+    return bool(_state.replica) and not _state.merge
+
+
+def innermost_scope() -> Any:
+    """The strategy whose ``scope()`` was entered last on this thread (any kind of strategy), or None."""
+    return _state.scopes[-1] if _state.scopes else None
 
 
 def in_merge() -> bool:
@@ -314,14 +335,14 @@ def get_replica_context() -> ReplicaContext | None:
         return _state.replica[-1]
     if in_cross_replica_context():
         return None
-    return _default_strategy()._default_replica_context
+    return _default_strategy().replica_context
 
 
 @contextlib.contextmanager
 def enter_scope(strategy: Any) -> Iterator[Any]:
     """Make ``strategy`` current for the block (what ``strategy.scope()`` does)."""
     for other in _state.scopes:
-        if other is not strategy and not getattr(other, "_is_default", False) and not getattr(strategy, "_is_default", False):
+        if other is not strategy and not is_default_strategy(other) and not is_default_strategy(strategy):
             raise ConfigurationError(
                 f"cannot enter {type(strategy).__name__}.scope() inside {type(other).__name__}.scope(): "
                 "mixing different strategies is not supported (as in TF); leave the outer scope first"

@@ -40,13 +40,17 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from jaxdist.sync.engine import SyncEngine
+    from jaxdist.sync.strategy import Strategy
 
 __all__ = [
     "CommunicationImplementation",
@@ -192,7 +196,7 @@ class CrossDeviceOps:
     def reduce(self, reduce_op: Any, per_replica_value: Any, destinations: Any = None, options: Any = None) -> Any:
         """Cross-replica reduce of one per-replica value (``CrossDeviceOps.reduce``); see ``extended.reduce_to``."""
         strategy = _strategy_of(per_replica_value)
-        with _using(strategy, self):
+        with _using(strategy.engine, self):
             return strategy.extended.reduce_to(reduce_op, per_replica_value, destinations, options)
 
     def batch_reduce(self, reduce_op: Any, value_destination_pairs: Sequence[tuple[Any, Any]], options: Any = None) -> list[Any]:
@@ -201,21 +205,22 @@ class CrossDeviceOps:
         if not pairs:
             return []
         strategy = _strategy_of(pairs[0][0])
-        with _using(strategy, self):
+        with _using(strategy.engine, self):
             return strategy.extended.batch_reduce_to(reduce_op, pairs, options)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
 
-def _strategy_of(value: Any) -> Any:
+def _strategy_of(value: Any) -> Strategy:
     from jaxdist.sync import context as ctx_lib
+    from jaxdist.sync.strategy import Strategy, is_default_strategy
 
     s = ctx_lib.get_strategy()
-    if getattr(s, "_is_default", False):
+    if not isinstance(s, Strategy) or is_default_strategy(s):
         raise ConfigurationError(
-            "CrossDeviceOps.reduce needs the strategy the values belong to: call it inside strategy.scope(), "
-            "or use strategy.extended.reduce_to"
+            "CrossDeviceOps.reduce needs the strategy the values belong to: call it inside a synchronous "
+            "strategy's scope(), or use strategy.extended.reduce_to"
         )
     return s
 
@@ -223,15 +228,15 @@ def _strategy_of(value: Any) -> Any:
 class _using:
     """Temporarily make ``ops`` the strategy's cross-device ops (for CrossDeviceOps.reduce)."""
 
-    def __init__(self, strategy: Any, ops: CrossDeviceOps) -> None:
-        self.strategy, self.ops = strategy, ops
+    def __init__(self, engine: SyncEngine, ops: CrossDeviceOps) -> None:
+        self.engine, self.ops = engine, ops
 
     def __enter__(self) -> None:
-        self.saved = self.strategy._cross_device_ops
-        self.strategy._cross_device_ops = self.ops
+        self.saved = self.engine.cross_device_ops
+        self.engine.cross_device_ops = self.ops
 
     def __exit__(self, *exc: object) -> None:
-        self.strategy._cross_device_ops = self.saved
+        self.engine.cross_device_ops = self.saved
 
 
 class _Packed(CrossDeviceOps):

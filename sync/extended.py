@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -19,10 +19,14 @@ import jax.numpy as jnp
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync import cross_device_ops as cdo
-from jaxdist.sync.context import _MergedValue
+from jaxdist.sync.context import MergedValue
 from jaxdist.sync.reduce_op import ReduceOp
+from jaxdist.sync.reductions import non_distributed_reduce
 from jaxdist.sync.values import PerReplica
 from jaxdist.sync.variables import SyncVariable
+
+if TYPE_CHECKING:
+    from jaxdist.sync.strategy import Strategy
 
 __all__ = ["StrategyExtended"]
 
@@ -40,11 +44,11 @@ def _reject_outside_value(x: Any, what: str) -> None:
         )
 
 
-def merge_reduce(strategy: Any, op: ReduceOp, value: Any, axis: int | None, options: Any = None) -> Any:
+def merge_reduce(strategy: Strategy, op: ReduceOp, value: Any, axis: int | None, options: Any = None) -> Any:
     """``strategy.reduce`` inside ``merge_fn``: an in-replica all-reduce of the handed-over values."""
     rep, ax = _merge_axis()
     r = strategy.num_replicas_in_sync
-    plan = strategy.collective_plan(options, "reduce")
+    plan = strategy.engine.collective_plan(options, "reduce")
 
     def one(x: Any) -> Any:
         _reject_outside_value(x, "reduce")
@@ -54,7 +58,7 @@ def merge_reduce(strategy: Any, op: ReduceOp, value: Any, axis: int | None, opti
             if op is ReduceOp.MEAN and axis is None:
                 return x.value()
             raise ValueError(f"cannot SUM the mirrored variable {x.name!r} across replicas (TF asserts); use MEAN")
-        if isinstance(x, _MergedValue):
+        if isinstance(x, MergedValue):
             local = jnp.asarray(x.local)
             if axis is None:
                 return cdo.all_reduce(plan, op is ReduceOp.MEAN, local, ax, r)
@@ -62,33 +66,31 @@ def merge_reduce(strategy: Any, op: ReduceOp, value: Any, axis: int | None, opti
             if op is ReduceOp.SUM:
                 return total
             return total / (local.shape[axis] * r)
-        from jaxdist.sync.strategy import _non_distributed_reduce
-
         if axis is None:
-            return _non_distributed_reduce(op, x, None, r)
+            return non_distributed_reduce(op, x, None, r)
         v = jnp.asarray(x)
         return jnp.sum(v, axis) * r if op is ReduceOp.SUM else jnp.mean(v, axis)
 
-    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (_MergedValue, PerReplica, SyncVariable)))
+    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (MergedValue, PerReplica, SyncVariable)))
 
 
-def merge_gather(strategy: Any, value: Any, axis: int) -> Any:
+def merge_gather(strategy: Strategy, value: Any, axis: int) -> Any:
     """``strategy.gather`` inside ``merge_fn``: an all-gather of the handed-over values."""
     _, ax = _merge_axis()
 
     def one(x: Any) -> Any:
         _reject_outside_value(x, "gather")
-        if isinstance(x, _MergedValue):
+        if isinstance(x, MergedValue):
             return jax.lax.all_gather(x.local, ax, axis=axis, tiled=True)
         return x
 
-    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (_MergedValue, PerReplica)))
+    return jax.tree.map(one, value, is_leaf=lambda x: isinstance(x, (MergedValue, PerReplica)))
 
 
-def merge_local_results(strategy: Any, value: Any) -> tuple[Any, ...]:
+def merge_local_results(strategy: Strategy, value: Any) -> tuple[Any, ...]:
     """Every replica's part of a handed-over value (gathered), in replica order."""
     _, ax = _merge_axis()
-    if isinstance(value, _MergedValue):
+    if isinstance(value, MergedValue):
         stacked = jax.lax.all_gather(value.local, ax)
         return tuple(stacked[i] for i in range(strategy.num_replicas_in_sync))
     return (value,)
@@ -101,15 +103,16 @@ class StrategyExtended:
         strategy: the strategy these methods belong to.
     """
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
+        self._engine = strategy.engine
 
     # -- devices -------------------------------------------------------------------
 
     @property
     def worker_devices(self) -> tuple[Any, ...]:
         """This process's replica devices, in replica order."""
-        return tuple(self._strategy._replica_devices())
+        return tuple(self._engine.replica_devices())
 
     @property
     def parameter_devices(self) -> tuple[Any, ...]:
@@ -131,7 +134,7 @@ class StrategyExtended:
     @property
     def should_checkpoint(self) -> bool:
         """Whether this process writes checkpoints: process 0 (jaxdist.Checkpoint handles this itself)."""
-        return jax.process_index() == min(getattr(self._strategy, "_process_ids", [0]))
+        return jax.process_index() == min(self._engine.process_ids)
 
     should_save_summary = should_checkpoint
     should_init = True
@@ -170,7 +173,7 @@ class StrategyExtended:
     # -- reductions --------------------------------------------------------------------
 
     def _require_cross_replica(self, method: str) -> None:
-        if ctx_lib._state.replica and not ctx_lib._state.merge:
+        if ctx_lib.in_replica_fn():
             raise RuntimeError(
                 f"strategy.extended.{method}() must be called in cross-replica context (outside strategy.run, or "
                 "inside ReplicaContext.merge_call's merge_fn); inside fn use get_replica_context().all_reduce"
@@ -178,25 +181,25 @@ class StrategyExtended:
 
     def _place(self, value: Any, destinations: Any) -> Any:
         """Put a reduced value where ``destinations`` says (TF's destinations argument)."""
-        s = self._strategy
+        s, e = self._strategy, self._engine
         if destinations is None or ctx_lib.in_merge() or isinstance(value, jax.core.Tracer):
             return value
         if isinstance(destinations, SyncVariable):
             if destinations.distribute_strategy is not s:
                 raise ValueError(f"destinations {destinations!r} belongs to another strategy")
-            return s._store_variable(value) if not destinations.on_read else value
+            return e.store_variable(value) if not destinations.on_read else value
         if isinstance(destinations, PerReplica) or (isinstance(destinations, jax.Array) and destinations.ndim >= 0):
             return value  # TF: the value's own devices
-        from jaxdist.sync.strategies import _resolve_device
+        from jaxdist.sync.strategies import resolve_device
 
         devs = destinations if isinstance(destinations, (list, tuple)) else [destinations]
-        devices = [_resolve_device(d) for d in devs]
+        devices = [resolve_device(d) for d in devs]
         if len(devices) == 1:
             if devices[0].process_index != jax.process_index():
                 raise ValueError(f"destination {devices[0]} is not on this process")
             return jax.device_put(value, devices[0])
         if set(devices) == set(getattr(s, "devices", ())):
-            return s._to_replicated(value)
+            return e.to_replicated(value)
         raise ConfigurationError(
             f"destinations {devs}: jaxdist places a reduced value on one device or on all of the strategy's "
             "devices; pass one device, a variable, or None"
@@ -218,28 +221,28 @@ class StrategyExtended:
         s = self._strategy
         if ctx_lib.in_merge():
             return merge_reduce(s, op, value, None, options)
-        s._check_options(options, "reduce_to")
-        ops = s.collective_plan(options, "reduce_to")
+        self._engine.check_options(options, "reduce_to")
+        ops = self._engine.collective_plan(options, "reduce_to")
         if isinstance(value, PerReplica) and isinstance(ops, cdo.ReductionToOneDevice):
             return self._place(self._reduce_on_one_device(ops, op, value), destinations)
         return self._place(s.reduce(op, value, axis=None), destinations)
 
     def _reduce_on_one_device(self, ops: cdo.ReductionToOneDevice, op: ReduceOp, value: PerReplica) -> Any:
         """Copy every replica's value to ``reduce_to_device``, reduce there, broadcast the result."""
-        from jaxdist.sync.strategies import _resolve_device
+        from jaxdist.sync.strategies import resolve_device
 
-        s = self._strategy
-        if getattr(s, "_multi_process", False):
+        e = self._engine
+        if e.multi_process:
             raise ConfigurationError(
                 "ReductionToOneDevice across processes: one device cannot hold other hosts' values; use the "
                 "default CrossDeviceOps (an all-reduce) with MultiWorkerMirroredStrategy"
             )
-        target = _resolve_device(ops.reduce_to_device) if ops.reduce_to_device is not None else s.devices[0]
+        target = resolve_device(ops.reduce_to_device) if ops.reduce_to_device is not None else e.replica_devices()[0]
         parts = [jax.device_put(v, target) for v in value.values]
         total = jnp.asarray(ops.accumulate(parts))
         if op is ReduceOp.MEAN:
             total = total / len(parts)
-        return s._mirrored.add(s._finish_replicated(s._to_replicated(total)))
+        return e.mirrored.add(e.finish_replicated(e.to_replicated(total)))
 
     def batch_reduce_to(
         self, reduce_op: ReduceOp | str, value_destination_pairs: Sequence[tuple[Any, Any]], options: Any = None
@@ -251,11 +254,11 @@ class StrategyExtended:
         s = self._strategy
         if ctx_lib.in_merge():
             rep, ax = _merge_axis()
-            plan = s.collective_plan(options, "batch_reduce_to")
+            plan = self._engine.collective_plan(options, "batch_reduce_to")
             merged = [v for v, _ in pairs]
             for v in merged:
                 _reject_outside_value(v, "batch_reduce_to")
-            if all(isinstance(v, _MergedValue) for v in merged):
+            if all(isinstance(v, MergedValue) for v in merged):
                 return list(
                     cdo.all_reduce(plan, op is ReduceOp.MEAN, [jnp.asarray(v.local) for v in merged], ax, s.num_replicas_in_sync)
                 )
@@ -285,8 +288,8 @@ class StrategyExtended:
         self._require_cross_replica("update")
         if not isinstance(var, SyncVariable) or var.distribute_strategy is not self._strategy:
             raise ValueError(f"update: {var!r} is not a variable of this {type(self._strategy).__name__}")
-        for a in jax.tree.leaves((tuple(args), dict(kwargs or {})), is_leaf=lambda x: isinstance(x, (PerReplica, _MergedValue))):
-            if isinstance(a, (PerReplica, _MergedValue)):
+        for a in jax.tree.leaves((tuple(args), dict(kwargs or {})), is_leaf=lambda x: isinstance(x, (PerReplica, MergedValue))):
+            if isinstance(a, (PerReplica, MergedValue)):
                 raise ValueError(
                     "strategy.extended.update: args must be the same on every replica (mirrored), got a per-replica "
                     "value; reduce it first (extended.reduce_to / batch_reduce_to)"

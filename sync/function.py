@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.variables import GlobalFrame, SyncVariable
+
+if TYPE_CHECKING:
+    from jaxdist.sync.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ class Function:
     def __init__(self, fn: Callable[..., Any]) -> None:
         functools.update_wrapper(self, fn)
         self._fn = fn
-        self._cache: dict[Any, tuple[Callable[..., Any], list[SyncVariable], list[list[SyncVariable]], set[Any]]] = {}
+        self._cache: dict[Any, tuple[Callable[..., Any], list[SyncVariable], list[list[SyncVariable]], set[Strategy]]] = {}
         #: How many times the function was traced (discovery passes not counted).
         self.trace_count = 0
 
@@ -70,7 +72,7 @@ class Function:
         return functools.partial(self, obj)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if ctx_lib.current_frame() is not None or ctx_lib._state.replica:
+        if ctx_lib.current_frame() is not None or ctx_lib.current_replica() is not None:
             return self._fn(*args, **kwargs)  # nested in compiled code: part of the caller's program
         leaves, tree = jax.tree.flatten((args, kwargs))
         dyn_mask = tuple(_is_dynamic(x) for x in leaves)
@@ -89,33 +91,21 @@ class Function:
             entry = self._compile(tree, dyn_mask, statics, dyn)
             self._cache[key] = entry
         jitted, touched, assigned_box, strategies = entry
-        values = [v._value for v in touched]
+        values = [v.storage for v in touched]
         # XLA:CPU with more devices than cores must not queue multi-device programs behind each other (see
-        # _MeshStrategy._dispatch): share the strategies' pacing, so run() and compiled functions take turns.
-        paced = [s for s in strategies if getattr(s, "_pace", False)]
-        for s in strategies:
-            if hasattr(s, "_raise_if_failed"):  # MultiWorkerMirrored: a recorded peer failure surfaces here too
-                s._raise_if_failed()
-        for s in paced:
-            if s._in_flight is not None:
-                jax.block_until_ready(s._in_flight)
-                s._in_flight = None
+        # MeshEngine.dispatch): share the strategies' pacing, so run() and compiled functions take turns.
+        engines = [s.engine for s in strategies]
+        for e in engines:
+            e.raise_if_failed()  # MultiWorkerMirrored: a recorded peer failure surfaces here too
+        for e in engines:
+            e.wait_in_flight()
         out, new_values = jitted(values, dyn)
-        for s in paced:
-            s._in_flight = (out, new_values)
-        for s in strategies:
-            if getattr(s, "_collective_timeout", None) is not None:  # CommunicationOptions(timeout_seconds)
-                s._watched = (time.monotonic(), [x for x in jax.tree.leaves((out, new_values)) if isinstance(x, jax.Array)])
+        for e in engines:
+            e.note_in_flight((out, new_values))  # and watched for CommunicationOptions(timeout_seconds)
         for v, nv in zip(assigned_box[0], new_values):
-            s = v.distribute_strategy
-            v._value = s._store_on_read(nv) if v.on_read else s._store_variable(nv)
-        for s in strategies:
-            rep = getattr(s, "_replicated_sharding", None)
-            if rep is None:
-                continue
-            for leaf in jax.tree.leaves(out):
-                if isinstance(leaf, jax.Array) and leaf.sharding.is_equivalent_to(rep, leaf.ndim):
-                    s._mirrored.add(leaf)
+            v.distribute_strategy.engine.write_variable(v, nv)
+        for e in engines:
+            e.adopt_replicated(out)
         return out
 
     def _call(self, frame: GlobalFrame, tree: Any, dyn_mask: tuple[bool, ...], statics: tuple, dyn: Any) -> Any:
@@ -131,7 +121,7 @@ class Function:
         dframe = GlobalFrame(discover=True, parent=None)
         jax.make_jaxpr(lambda *d: self._call(dframe, tree, dyn_mask, statics, d))(*dyn)
         touched = list(dframe.touched)
-        strategies = {v.distribute_strategy for v in touched} | set(getattr(dframe, "strategies", ()))
+        strategies = {v.distribute_strategy for v in touched} | dframe.strategies
         assigned_box: list[list[SyncVariable]] = [[]]
 
         def program(values: list[Any], d: list[Any]) -> Any:

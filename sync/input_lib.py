@@ -41,6 +41,7 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
 
 if TYPE_CHECKING:
+    from jaxdist.sync.engine import SyncEngine
     from jaxdist.sync.strategy import Strategy
 
 logger = logging.getLogger(__name__)
@@ -262,13 +263,13 @@ class _GlobalIterator(DistributedIterator):
     def __init__(
         self, strategy: Strategy, it: Iterator[Any], options: InputOptions, *, with_mask: bool, drop_remainder: bool
     ) -> None:
-        self._s = strategy
         self._it = it
         self._with_mask = with_mask
         self._drop = drop_remainder
         self._nominal: int | None = None
         self._r = strategy.num_replicas_in_sync
-        self._local = strategy._local_replica_ids()
+        self._engine = strategy.engine
+        self._local = self._engine.local_replica_ids()
         self._to_device = options.fetch_to_device
 
     def __next__(self) -> Any:
@@ -308,31 +309,28 @@ class _GlobalIterator(DistributedIterator):
     def _wrap(self, stacked: np.ndarray, rows: np.ndarray | None) -> Any:
         local = stacked[self._local] if len(self._local) != self._r else stacked
         if self._to_device:
-            return self._s._distribute_local(local, rows, guard=not self._with_mask)
-        return _host_value(self._s, stacked, rows, guard=not self._with_mask)
+            return self._engine.distribute_local(local, rows, guard=not self._with_mask)
+        return _host_value(self._engine, stacked, rows, guard=not self._with_mask)
 
 
-def _host_value(strategy: Any, stacked: np.ndarray, rows: np.ndarray | None, guard: bool) -> Any:
+def _host_value(engine: SyncEngine, stacked: np.ndarray, rows: np.ndarray | None, guard: bool) -> Any:
     """``experimental_fetch_to_device=False``: a PerReplica over host numpy (placed when run uses it)."""
     from jaxdist.sync.values import PerReplica
 
-    if getattr(strategy, "_yields_plain_arrays", False):
+    if engine.yields_plain_arrays:
         x = stacked[0]
         return x if rows is None else x[: int(rows[0])]
     if rows is None:
         return PerReplica(stacked)
-    pr = PerReplica(stacked, rows.astype(np.int32))
-    pr._rows_host = rows.astype(np.int32)
-    pr._guard = guard
-    return pr
+    return PerReplica(stacked, rows.astype(np.int32), host_row_counts=rows.astype(np.int32), guard=guard)
 
 
 class _PerReplicaIterator(DistributedIterator):
     def __init__(self, strategy: Strategy, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions, *, with_mask: bool) -> None:
-        self._s = strategy
+        self._engine = strategy.engine
         self._with_mask = with_mask
         self._options = options
-        self._local = strategy._local_replica_ids()
+        self._local = self._engine.local_replica_ids()
         self._n_local = len(self._local)
         self._r = strategy.num_replicas_in_sync
         self._nominal: int | None = None
@@ -340,9 +338,9 @@ class _PerReplicaIterator(DistributedIterator):
         self._templates: list[np.ndarray] | None = None
         self._per_replica_mode = options.experimental_replication_mode is InputReplicationMode.PER_REPLICA
         self._on_device = options.experimental_place_dataset_on_device
-        self._devices = strategy._replica_devices()
+        self._devices = self._engine.replica_devices()
         # Only strategies with replica devices (Mirrored, TPU, ...) have one.
-        self._per_replica_sharding = getattr(strategy, "per_replica_sharding", None)
+        self._per_replica_sharding = self._engine.per_replica_sharding
         if self._on_device and self._per_replica_sharding is None:
             raise ConfigurationError(
                 "experimental_place_dataset_on_device needs a strategy with replica devices (Mirrored, TPU, ...)"
@@ -356,7 +354,7 @@ class _PerReplicaIterator(DistributedIterator):
                     its.append(iter(dataset_fn(ctx)))
             self._its = its
         else:
-            self._its = [iter(dataset_fn(strategy._input_context()))]
+            self._its = [iter(dataset_fn(self._engine.input_context()))]
 
     def _device_ctx(self, i: int) -> Any:
         if self._on_device:
@@ -401,7 +399,7 @@ class _PerReplicaIterator(DistributedIterator):
         counts = np.array([g[1] if g is not None else 0 for g in got], np.int32)
         k = sum(g is not None for g in got)
         nominal = self._nominal or 0
-        if self._s._num_processes() > 1:
+        if self._engine.multi_process:
             # Pipelines differ between processes: agree on whether this step runs and on its row capacity.
             from jax.experimental import multihost_utils
 
@@ -441,19 +439,19 @@ class _PerReplicaIterator(DistributedIterator):
         guard = not self._with_mask
         if self._on_device:
             out = [self._assemble_on_device(col) for col in per_leaf]
-            batch = jax.tree.unflatten(self._tree, [self._s._distribute_local(x, rows, guard) for x in out])
+            batch = jax.tree.unflatten(self._tree, [self._engine.distribute_local(x, rows, guard) for x in out])
         elif self._options.fetch_to_device:
             batch = jax.tree.unflatten(
-                self._tree, [self._s._distribute_local(np.stack(col), rows, guard) for col in per_leaf]
+                self._tree, [self._engine.distribute_local(np.stack(col), rows, guard) for col in per_leaf]
             )
         else:
             full = [self._full(np.stack(col)) for col in per_leaf]
-            batch = jax.tree.unflatten(self._tree, [_host_value(self._s, x, rows, guard) for x in full])
+            batch = jax.tree.unflatten(self._tree, [_host_value(self._engine, x, rows, guard) for x in full])
         if not self._with_mask:
             return batch
         if self._options.fetch_to_device or self._on_device:
-            return batch, self._s._distribute_local(mask[self._local])
-        return batch, _host_value(self._s, mask, None, False)
+            return batch, self._engine.distribute_local(mask[self._local])
+        return batch, _host_value(self._engine, mask, None, False)
 
     def _full(self, local_stacked: np.ndarray) -> np.ndarray:
         if self._n_local == self._r:

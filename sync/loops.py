@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass, field
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -40,41 +40,17 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync._varying import varying_outputs
 from jaxdist.sync.declare import FIX_HINT
-from jaxdist.sync.strategy import (
-    _PER_REPLICA,
-    _REPLICATED,
-    _RETRACE_WARN_AFTER,
-    _ROWS,
-    _RUN_CACHE_SIZE,
-    _STATIC,
-    AXIS,
-    _captures,
-    _changed_capture,
-    _fn_key,
-    _is_array_like,
-    _is_tracer,
-)
-from jaxdist.sync.values import PerReplica, is_per_replica
-from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, _under_foreign_trace
+from jaxdist.sync.engine import AXIS, MeshEngine, SyncEngine
+from jaxdist.sync.programs import RETRACE_WARN_AFTER, Program, captures, changed_capture, fn_key
+from jaxdist.sync.values import PerReplica, is_array_like, is_per_replica, is_tracer
+from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, under_foreign_trace
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["run_program", "stack_batches", "default_run_stacked"]
 
-
-@dataclass
-class _Program:
-    """One compiled ``run``: the jitted shard_map plus how to rebuild its outputs."""
-
-    jitted: Callable[..., Any]
-    out_tree: Any
-    out_varying: list[bool]
-    variables: list[SyncVariable]
-    assigned: list[SyncVariable]
-    rows_used: bool
-    captures: list[tuple[Any, Any, Any]] = field(default_factory=list)
-    owner: Any = None  # weakref to a bound method's instance
-    retraces: int = 0
+#: How ``run`` passes each leaf of its arguments into the compiled step (part of the program's cache key).
+_PER_REPLICA, _REPLICATED, _STATIC, _ROWS = "per_replica", "replicated", "static", "rows"
 
 
 @dataclass
@@ -103,9 +79,9 @@ def _find_rows(leaves: list[Any], scanned: list[bool], steps: int | None) -> _Ro
         if steps is not None and not sc:
             continue
         padded = int(x.stacked.shape[2] if steps is not None else x.stacked.shape[1])
-        host = None if _is_tracer(x.row_counts) else x._rows_host
+        host = None if is_tracer(x.row_counts) else x.known_host_row_counts
         if info is None:
-            info = _RowsInfo(x.row_counts, host, padded, bool(x._guard))
+            info = _RowsInfo(x.row_counts, host, padded, x.guard)
             continue
         if padded != info.padded:
             raise ConfigurationError(
@@ -116,17 +92,17 @@ def _find_rows(leaves: list[Any], scanned: list[bool], steps: int | None) -> _Ro
             raise ConfigurationError(
                 "strategy.run got per-replica batches with different row counts; pass one distributed batch per step"
             )
-        info.guard = info.guard or bool(x._guard)
+        info.guard = info.guard or x.guard
     return info
 
 
-def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict, steps: int | None) -> Any:
+def run_program(engine: MeshEngine, fn: Callable[..., Any], args: tuple, kwargs: dict, steps: int | None) -> Any:
     """``strategy.run`` (and ``run_steps`` when ``steps`` is set) of a mesh strategy."""
     parent = ctx_lib.current_frame()
     if isinstance(parent, ReplicaFrame):
         raise RuntimeError("strategy.run cannot be called inside another strategy.run (or its merge_call)")
     if parent is not None:
-        parent.strategies.add(strategy)
+        parent.strategies.add(engine.strategy)
     leaves, in_tree = jax.tree.flatten((args, kwargs), is_leaf=_leaf_kind)
     n_batch = len(jax.tree.flatten(args[0], is_leaf=_leaf_kind)[0]) if steps is not None and args else 0
     scanned = [i < n_batch for i in range(len(leaves))]
@@ -139,26 +115,26 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
     for leaf, sc in zip(leaves, scanned):
         if isinstance(leaf, PerReplica):
             kinds.append(_PER_REPLICA)
-            dyn.append(strategy._to_per_replica(leaf))
+            dyn.append(engine.place_per_replica(leaf.stacked))
             dyn_scanned.append(sc)
-        elif _is_array_like(leaf):
+        elif is_array_like(leaf):
             if sc:
                 raise ConfigurationError(
                     "run_steps/run_epoch: every array of a batch must be distributed (PerReplica): iterate a "
                     "distributed dataset (strategy.experimental_distribute_dataset)"
                 )
             kinds.append(_REPLICATED)
-            dyn.append(strategy._to_replicated(leaf))
+            dyn.append(engine.to_replicated(leaf))
             dyn_scanned.append(False)
         else:
             kinds.append(_STATIC)
             statics.append(leaf)
     if rows is not None:
         kinds.append(_ROWS)
-        dyn.append(strategy._place_per_replica(rows.rows))
+        dyn.append(engine.place_per_replica(rows.rows))
         dyn_scanned.append(steps is not None)
     signature = tuple(_aval_key(a) for a in dyn)
-    key = (_fn_key(fn), in_tree, tuple(kinds), signature, tuple(statics), steps, tuple(dyn_scanned), parent is not None)
+    key = (fn_key(fn), in_tree, tuple(kinds), signature, tuple(statics), steps, tuple(dyn_scanned), parent is not None)
     try:
         hash(key)
     except TypeError:
@@ -167,37 +143,31 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
             f"{[type(s).__name__ for s in statics]}"
         ) from None
 
-    with strategy._programs_lock:
-        program = strategy._programs.get(key)
-        if program is not None:
-            strategy._programs.move_to_end(key)
+    program = engine.programs.get(key)
     retraces = 0
     if program is not None:
         if program.owner is not None and program.owner() is not getattr(fn, "__self__", None):
             program = None
         else:
-            changed = _changed_capture(program.captures)
+            changed = changed_capture(program.captures)
             if changed is not None:
                 retraces = program.retraces + 1
-                (logger.warning if retraces == _RETRACE_WARN_AFTER else logger.info)(
+                (logger.warning if retraces == RETRACE_WARN_AFTER else logger.info)(
                     "strategy.run(%s): %r, which the function reads, is no longer the object it was traced with; "
                     "tracing again so the new value is used%s",
                     getattr(fn, "__name__", fn),
                     changed,
                     " (it changes on every call: pass it as an argument to run instead, to compile once)"
-                    if retraces >= _RETRACE_WARN_AFTER
+                    if retraces >= RETRACE_WARN_AFTER
                     else "",
                 )
                 program = None
     if program is None:
         if retraces == 0:
-            _warn_if_fed_back(strategy, fn, key, leaves, kinds, (args, kwargs))
-        program = _build(strategy, fn, in_tree, kinds, dyn, dyn_scanned, statics, steps, rows, parent)
+            _warn_if_fed_back(engine, fn, key, leaves, kinds, (args, kwargs))
+        program = _build(engine, fn, in_tree, kinds, dyn, dyn_scanned, statics, steps, rows, parent)
         program.retraces = retraces
-        with strategy._programs_lock:
-            strategy._programs[key] = program
-            while len(strategy._programs) > _RUN_CACHE_SIZE:
-                strategy._programs.popitem(last=False)
+        engine.programs.put(key, program)
 
     if rows is not None and rows.guard and not program.rows_used and rows.host is not None and (rows.host < rows.padded).any():
         counts = rows.host.tolist()
@@ -210,7 +180,7 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
         )
 
     if parent is None and program.variables and (
-        any(_is_tracer(a) for a in dyn) or _under_foreign_trace()
+        any(is_tracer(a) for a in dyn) or under_foreign_trace()
     ):
         raise ConfigurationError(
             f"strategy.run({getattr(fn, '__name__', fn)}) uses variables ({program.variables[0].name!r}...) inside "
@@ -220,12 +190,12 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
         )
     var_inputs = []
     for v in program.variables:
-        g = parent.global_value(v) if parent is not None else v._value
-        if _is_tracer(g):
+        g = parent.global_value(v) if parent is not None else v.storage
+        if is_tracer(g):
             var_inputs.append(g)
         else:
-            var_inputs.append(strategy._place_per_replica(g) if v.on_read else strategy._to_replicated(g))
-    outs = strategy._dispatch(program.jitted, *dyn, *var_inputs)
+            var_inputs.append(engine.place_per_replica(g) if v.on_read else engine.to_replicated(g))
+    outs = engine.dispatch(program.jitted, *dyn, *var_inputs)
     n_user = len(program.out_varying)
     for v, nv in zip(program.assigned, outs[n_user:]):
         if parent is not None:
@@ -233,9 +203,9 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
             parent.touched[v] = None
             parent.assigned[v] = None
         else:
-            v._value = strategy._store_on_read(nv) if v.on_read else strategy._store_variable(nv)
+            engine.write_variable(v, nv)
     wrapped = [
-        _returned_per_replica(o, fn, program.out_tree, i) if varying else strategy._mirrored.add(strategy._finish_replicated(o))
+        _returned_per_replica(o, fn, program.out_tree, i) if varying else engine.mirrored.add(engine.finish_replicated(o))
         for i, (o, varying) in enumerate(zip(outs[:n_user], program.out_varying))
     ]
     return jax.tree.unflatten(program.out_tree, wrapped)
@@ -243,9 +213,7 @@ def run_program(strategy: Any, fn: Callable[..., Any], args: tuple, kwargs: dict
 
 def _returned_per_replica(stacked: Any, fn: Callable[..., Any], out_tree: Any, i: int) -> PerReplica:
     """A per-replica output of ``run``, remembering where it came from (for :func:`_warn_if_fed_back`)."""
-    pr = PerReplica(stacked)
-    pr._origin = (getattr(fn, "__name__", repr(fn)), out_tree, i)  # formatted only if a warning needs it
-    return pr
+    return PerReplica(stacked, origin=(getattr(fn, "__name__", repr(fn)), out_tree, i))  # formatted only if warned
 
 
 def _origin_text(origin: tuple[str, Any, int]) -> str:
@@ -260,7 +228,9 @@ def _arg_text(path: tuple) -> str:
     return head + jax.tree_util.keystr(tuple(path[1:]))
 
 
-def _warn_if_fed_back(strategy: Any, fn: Callable[..., Any], key: tuple, leaves: list[Any], kinds: list[str], tree: Any) -> None:
+def _warn_if_fed_back(
+    engine: MeshEngine, fn: Callable[..., Any], key: tuple, leaves: list[Any], kinds: list[str], tree: Any
+) -> None:
     """Warn when a per-replica output of ``run`` comes back where this function took a replicated value before.
 
     That is the functional style's silent trap: params returned per-replica
@@ -270,16 +240,15 @@ def _warn_if_fed_back(strategy: Any, fn: Callable[..., Any], key: tuple, leaves:
     tell which was meant; :func:`jaxdist.replicated` makes it an error.
     Called only when ``run`` compiles a new program, so it costs nothing per step.
     """
-    fed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica) and x._origin is not None]
+    fed = [i for i, x in enumerate(leaves) if isinstance(x, PerReplica) and x.origin is not None]
     if not fed:
         return
-    with strategy._programs_lock:
-        before = [k[2] for k in strategy._programs if k[0] == key[0] and k[1] == key[1] and k[5] == key[5]]
+    before = [k[2] for k in engine.programs.keys() if k[0] == key[0] and k[1] == key[1] and k[5] == key[5]]
     hits = [i for i in fed if any(len(kd) > i and kd[i] == _REPLICATED for kd in before)]
     if not hits:
         return
     paths = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_leaf_kind)[0]
-    names = ", ".join(f"{_arg_text(paths[i][0])} ({_origin_text(leaves[i]._origin)})" for i in hits)
+    names = ", ".join(f"{_arg_text(paths[i][0])} ({_origin_text(leaves[i].origin)})" for i in hits)
     logger.warning(
         "strategy.run(%s): %s is a per-replica value where an earlier call passed a replicated one: each replica now "
         "goes on from its own copy and they drift apart. If it must be the same on every replica (params, optimizer "
@@ -370,7 +339,7 @@ def _local_aval(a: Any, kind: str, scanned: bool, steps: int | None) -> jax.Shap
 
 
 def _build(
-    strategy: Any,
+    engine: MeshEngine,
     fn: Callable[..., Any],
     in_tree: Any,
     kinds: list[str],
@@ -380,9 +349,10 @@ def _build(
     steps: int | None,
     rows: Any,
     parent: Any,
-) -> _Program:
-    strategy._trace_count += 1
-    r = strategy.num_replicas_in_sync
+) -> Program:
+    engine.count_trace()
+    strategy = engine.strategy
+    r = engine.num_replicas
     dyn_kinds = [k for k in kinds if k != _STATIC]
     local_avals = [_local_aval(a, k, sc, steps) for a, k, sc in zip(dyn, dyn_kinds, dyn_scanned)]
     has_rows = rows is not None
@@ -406,7 +376,7 @@ def _build(
         return flat, rctx
 
     touched: list[SyncVariable] = []
-    if parent is not None or strategy._variables:
+    if parent is not None or len(engine.variables):
         dframe = ReplicaFrame(strategy, AXIS, discover=True, parent=parent)
         jax.make_jaxpr(lambda *xs: call(xs, dframe)[0], axis_env=[(AXIS, r)])(*local_avals)
         touched = list(dframe.touched)
@@ -479,8 +449,8 @@ def _build(
             outs = list(ys) + list(final)
         return tuple(o[None] if pr else o for o, pr in zip(outs, out_per_replica))
 
-    smapped = jax.shard_map(body, mesh=strategy._mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    rep, per = strategy._replicated_sharding, strategy._per_replica_sharding
+    smapped = jax.shard_map(body, mesh=engine.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    rep, per = engine.replicated_sharding, engine.per_replica_sharding
     jitted = jax.jit(
         smapped,
         in_shardings=tuple(per if s == P(AXIS) else rep for s in in_specs),
@@ -496,14 +466,14 @@ def _build(
         f", {steps} steps" if steps is not None else "",
     )
     owner = weakref.ref(fn.__self__) if hasattr(fn, "__self__") and hasattr(fn, "__func__") else None
-    return _Program(
+    return Program(
         jitted=jitted,
         out_tree=out_tree_box[0],
         out_varying=user_varying,
         variables=touched,
         assigned=assigned,
         rows_used=rctx_box[0].rows_used,
-        captures=_captures(fn),
+        captures=captures(fn),
         owner=owner,
     )
 
@@ -513,23 +483,22 @@ def _build(
 # ---------------------------------------------------------------------------------------
 
 
-def _stack_leaves(xs: list[Any], axis: int, strategy: Any, per_replica: bool) -> Any:
+def _stack_leaves(xs: list[Any], axis: int, engine: SyncEngine, per_replica: bool) -> Any:
     if all(isinstance(x, np.ndarray) for x in xs):
         return np.stack(xs, axis=axis)
-    key = ("stack", axis, per_replica)
-    fn = strategy._jit_cache.get(key) if hasattr(strategy, "_jit_cache") else None
-    if fn is None:
-        shard = {}
-        if per_replica and hasattr(strategy, "_per_replica_sharding"):
-            shard = {"out_shardings": strategy._per_replica_sharding}
-        fn = jax.jit(lambda *a: jnp.stack(a, axis=axis), **shard)
-        if hasattr(strategy, "_jit_cache"):
-            strategy._jit_cache[key] = fn
-    args = [strategy._place_per_replica(x) for x in xs] if per_replica and hasattr(strategy, "_place_per_replica") else xs
+
+    def build() -> Callable[..., Any]:
+        sharding = engine.per_replica_sharding if per_replica else None
+        if sharding is None:
+            return jax.jit(lambda *a: jnp.stack(a, axis=axis))
+        return jax.jit(lambda *a: jnp.stack(a, axis=axis), out_shardings=sharding)
+
+    fn = engine.cached(("stack", axis, per_replica), build)
+    args = [engine.place_per_replica(x) for x in xs] if per_replica else xs
     return fn(*args)
 
 
-def stack_batches(strategy: Any, batches: list[Any]) -> Any:
+def stack_batches(engine: SyncEngine, batches: list[Any]) -> Any:
     """One batch whose per-replica leaves carry a leading steps axis: ``(R, steps, ...)``.
 
     Plain-array batches (OneDeviceStrategy yields them) are padded to the
@@ -549,32 +518,32 @@ def stack_batches(strategy: Any, batches: list[Any]) -> Any:
                     f"run_steps: per-replica batches of different shapes {sorted(shapes)} cannot run in one "
                     "compiled loop; distribute the data with experimental_distribute_dataset (it pads short batches)"
                 )
-            stacked = _stack_leaves([x.stacked for x in col], 1, strategy, True)
+            stacked = _stack_leaves([x.stacked for x in col], 1, engine, True)
             if any(x.row_counts is not None for x in col):
                 if not all(x.row_counts is not None for x in col):
                     raise ConfigurationError("run_steps: some batches carry row counts and others do not")
-                rows = _stack_leaves([x.row_counts for x in col], 1, strategy, True)
-                pr = PerReplica(stacked, rows)
-                hosts = [x._rows_host for x in col]
-                pr._rows_host = np.stack(hosts, axis=1) if all(h is not None for h in hosts) else None
-                pr._guard = any(x._guard for x in col)
+                rows = _stack_leaves([x.row_counts for x in col], 1, engine, True)
+                hosts = [x.known_host_row_counts for x in col]
+                pr = PerReplica(
+                    stacked,
+                    rows,
+                    host_row_counts=np.stack(hosts, axis=1) if all(h is not None for h in hosts) else None,
+                    guard=any(x.guard for x in col),
+                )
             else:
                 pr = PerReplica(stacked)
             out.append(pr)
-        elif all(_is_array_like(x) for x in col):
+        elif all(is_array_like(x) for x in col):
             arrs = [x if isinstance(x, jax.Array) else np.asarray(x) for x in col]
             if any(a.ndim == 0 for a in arrs):
-                out.append(PerReplica(_stack_leaves([jnp.asarray(a) for a in arrs], 0, strategy, False)[None]))
+                out.append(PerReplica(_stack_leaves([jnp.asarray(a) for a in arrs], 0, engine, False)[None]))
                 continue
             n = [int(a.shape[0]) for a in arrs]
             cap = max(n)
             padded = [a if a.shape[0] == cap else jnp.pad(jnp.asarray(a), [(0, cap - a.shape[0])] + [(0, 0)] * (a.ndim - 1)) for a in arrs]
-            stacked = _stack_leaves([jnp.asarray(p) for p in padded], 0, strategy, False)[None]
+            stacked = _stack_leaves([jnp.asarray(p) for p in padded], 0, engine, False)[None]
             host = np.asarray(n, np.int32)[None]
-            pr = PerReplica(stacked, jnp.asarray(host))
-            pr._rows_host = host
-            pr._guard = cap != min(n)
-            out.append(pr)
+            out.append(PerReplica(stacked, jnp.asarray(host), host_row_counts=host, guard=cap != min(n)))
         else:
             raise ConfigurationError(
                 "run_steps: batch leaves must all be distributed values (or all arrays), got "
@@ -588,31 +557,33 @@ def stack_batches(strategy: Any, batches: list[Any]) -> Any:
 # ---------------------------------------------------------------------------------------
 
 
-def default_run_stacked(strategy: Any, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
+def default_run_stacked(
+    engine: SyncEngine, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any
+) -> Any:
     """``run_steps`` on the default strategy: one jitted ``lax.scan`` (variables threaded as its carry)."""
     kwargs = dict(kwargs or {})
-    stacked = stack_batches(strategy, batches)
+    stacked = stack_batches(engine, batches)
     leaves, tree = jax.tree.flatten(stacked, is_leaf=is_per_replica)
     rows = _find_rows(leaves, [True] * len(leaves), steps=len(batches))
     batch = jax.tree.unflatten(tree, [x.stacked[0] for x in leaves])  # (steps, rows, ...) per leaf
     rows_k = jnp.asarray(rows.rows)[0] if rows is not None else None
     padded = rows.padded if rows is not None else None
     flat_args, args_tree = jax.tree.flatten((tuple(args), kwargs))
-    dyn_mask = [_is_array_like(x) for x in flat_args]
+    dyn_mask = [is_array_like(x) for x in flat_args]
     statics = tuple(x for x, d in zip(flat_args, dyn_mask) if not d)
     dyn_args = [jnp.asarray(x) for x, d in zip(flat_args, dyn_mask) if d]
 
     def one_step(frame: Any, b: Any, n: Any, dargs: Sequence[Any]) -> Any:
         it_d, it_s = iter(dargs), iter(statics)
         a, kw = jax.tree.unflatten(args_tree, [next(it_d) if d else next(it_s) for d in dyn_mask])
-        rctx = ctx_lib.ReplicaContext(strategy, None, n, padded)
+        rctx = ctx_lib.ReplicaContext(engine.strategy, None, n, padded)
         with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx):
             out = fn(b, *a, **kw)
         return out, rctx
 
-    key = ("default_steps", _fn_key(fn), tree, args_tree, statics, padded, tuple(_aval_key(a) for a in dyn_args))
-    entry = strategy._jit_cache.get(key)
-    if entry is None:
+    key = ("default_steps", fn_key(fn), tree, args_tree, statics, padded, tuple(_aval_key(a) for a in dyn_args))
+
+    def build() -> tuple[Callable[..., Any], list[SyncVariable], bool]:
         b0 = jax.tree.map(lambda x: x[0], batch)
         n0 = rows_k[0] if rows_k is not None else None
         dframe = GlobalFrame(discover=True, parent=None)
@@ -631,17 +602,17 @@ def default_run_stacked(strategy: Any, fn: Callable[..., Any], batches: list[Any
 
             return jax.lax.scan(step, list(var_vals), (batch, rows_k))
 
-        jax.make_jaxpr(program)([v._value for v in touched], batch, rows_k, dyn_args)  # learns rows_used
-        entry = (jax.jit(program), touched, rows_used[0])
-        strategy._jit_cache[key] = entry
-    jitted, touched, used = entry
+        jax.make_jaxpr(program)([v.storage for v in touched], batch, rows_k, dyn_args)  # learns rows_used
+        return jax.jit(program), touched, rows_used[0]
+
+    jitted, touched, used = engine.cached(key, build)
     if rows is not None and rows.guard and not used and rows.host is not None and (rows.host < padded).any():
         raise ConfigurationError(
             f"run_steps({getattr(fn, '__name__', fn)}): the batches were padded to {padded} rows but fn never asks "
             "which rows are real; use jaxdist.compute_average_loss / jaxdist.metrics or "
             "get_replica_context().row_mask()"
         )
-    final, outs = jitted([v._value for v in touched], batch, rows_k, dyn_args)
+    final, outs = jitted([v.storage for v in touched], batch, rows_k, dyn_args)
     for v, nv in zip(touched, final):
-        v._value = nv
+        v.storage = nv
     return outs

@@ -1,21 +1,17 @@
 """``MultiWorkerMirroredStrategy``: synchronous data parallelism across processes (hosts).
 
-Bring-up, in the constructor:
-
-1. The cluster comes from a resolver (``TF_CONFIG``, ``JAXDIST_CLUSTER`` from
-   ``jaxdist launch``, Slurm, or one passed in; see
-   :func:`jaxdist.base.cluster_resolver.detect`). The processes of the job are the
-   ``chief`` (if any) then the ``worker`` tasks, in index order: process 0 is
-   the chief, or worker 0 when there is no chief. Without any cluster in the
-   environment the strategy runs on this host alone (as TF does).
-2. Process 0 serves jaxdist's coordination service
-   (:mod:`jaxdist.sync.coordination`) on its cluster-spec address and picks a
-   free port for JAX's own coordinator. Every process registers, learns that
-   address and waits until all processes have registered.
-3. Every process calls ``jax.distributed.initialize(...)`` (gloo collectives
-   on CPU, NCCL on GPU), so ``jax.devices()`` spans every process and the
-   all-reduce in each step spans every host. Replica ``r`` is global device
-   ``r`` ordered by (process, device id): process ``p``'s replicas are contiguous.
+Bring-up, in the constructor, in named steps (:mod:`jaxdist.sync.job_session`):
+:meth:`~jaxdist.sync.job_session.Membership.resolve` finds this process's
+place in the job (the chief, if any, then the workers: process 0 is the chief,
+or worker 0 when there is no chief; without any cluster in the environment the
+strategy runs on this host alone, as TF does), then
+:meth:`~jaxdist.sync.job_session.JobSession.join` has process 0 serve
+jaxdist's coordination service (:mod:`jaxdist.sync.coordination`), every
+process register and wait for the others, and every process call
+``jax.distributed.initialize(...)`` (gloo collectives on CPU, NCCL on GPU), so
+``jax.devices()`` spans every process and the all-reduce in each step spans
+every host. Replica ``r`` is global device ``r`` ordered by (process, device
+id): process ``p``'s replicas are contiguous.
 
 Failure detection: every process heartbeats process 0 every
 ``heartbeat_interval_s``; a dead process is noticed within ``peer_timeout_s``
@@ -61,82 +57,35 @@ leaves the coordination service and stops heartbeating.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
-import socket
 import sys
-import threading
-import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 
-from jaxdist.base import errors as E
-from jaxdist.base.cluster_resolver import ClusterResolver, detect
-from jaxdist.transport.rpc import is_loopback
-from jaxdist.sync.coordination import (
-    DEFAULT_HEARTBEAT_INTERVAL_S,
-    DEFAULT_PEER_TIMEOUT_S,
-    CoordinationClient,
-    CoordinationService,
-    CoordinationState,
-    HeartbeatSender,
-    PeerFailedError,
-)
+from jaxdist.base.cluster_resolver import ClusterResolver
 from jaxdist.sync import cross_device_ops as cdo
+from jaxdist.sync.coordination import DEFAULT_HEARTBEAT_INTERVAL_S, DEFAULT_PEER_TIMEOUT_S, PeerFailedError
+from jaxdist.sync.engine import MeshEngine
+from jaxdist.sync.job_session import JobSession, JoinSettings, Membership
+from jaxdist.sync.mesh import MeshStrategy
+from jaxdist.sync.peer_watch import EXIT_PEER_FAILED
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.mesh import _MeshStrategy
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MultiWorkerMirroredStrategy", "PeerFailedError", "EXIT_PEER_FAILED"]
 
-#: Exit status of a process aborted because a peer died: 138 (128 + SIGUSR1) is
-#: the code Kubeflow's TFJob ``ExitCode`` restart policy reserves for
-#: user-defined retryable failures, so the job is restarted rather than failed.
-EXIT_PEER_FAILED = 138
-
-#: Jobs (TF_CONFIG task types) that take part in the collectives, in rank order.
-_COLLECTIVE_JOBS = ("chief", "worker")
-
 #: Default seconds to wait for every process to register and for JAX's coordinator.
 _DEFAULT_INIT_TIMEOUT_S = 120.0
-
-#: Seconds between readiness checks while waiting for a step in "raise" mode.
-_POLL_S = 0.002
 
 #: JAX's own heartbeat timeout, a backstop behind jaxdist's faster detection.
 _DEFAULT_JAX_HEARTBEAT_TIMEOUT_S = 100
 
 
-def _members(resolver: ClusterResolver) -> list[tuple[str, int, str]]:
-    spec = resolver.cluster_spec()
-    out = []
-    for job in _COLLECTIVE_JOBS:
-        for i, addr in enumerate(spec.job_tasks(job)):
-            out.append((job, i, addr))
-    return out
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host.strip("[]"), 0))
-        return int(s.getsockname()[1])
-
-
-def _backends_initialized() -> bool:
-    try:
-        from jax._src import xla_bridge
-
-        return bool(xla_bridge.backends_are_initialized())
-    except (ImportError, AttributeError):  # pragma: no cover - private API moved
-        return False
-
-
-class MultiWorkerMirroredStrategy(_MeshStrategy):
+class MultiWorkerMirroredStrategy(MeshStrategy):
     """Synchronous training across processes (``tf.distribute.MultiWorkerMirroredStrategy``).
 
     Create it at the start of every process of the job, before any other JAX
@@ -171,10 +120,6 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
             died during bring-up.
     """
 
-    #: CommunicationOptions.timeout_seconds (None: no collective timeout).
-    _collective_timeout: float | None = None
-    _watched: tuple[float, list[Any] | None] | None = None
-
     def __init__(
         self,
         cluster_resolver: ClusterResolver | None = None,
@@ -189,298 +134,86 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         insecure: bool = False,
     ) -> None:
         opts = cdo.check_options(communication_options, "MultiWorkerMirroredStrategy(communication_options=...)")
-        if on_peer_failure not in ("abort", "raise"):
-            raise E.ConfigurationError(f"on_peer_failure must be 'abort' or 'raise', got {on_peer_failure!r}")
-        self._on_peer_failure_mode = on_peer_failure
-        self._peer_timeout = peer_timeout_s
-        self._interval = heartbeat_interval_s
-        self._failure: PeerFailedError | None = None
-        self._failure_lock = threading.Lock()
-        self._service: CoordinationService | None = None
-        self._client: CoordinationClient | None = None
-        self._heartbeat: HeartbeatSender | None = None
-        self._initialized_jax = False
-        self._closed = False
-        self._shutting_down = False
-        self._incarnation = uuid.uuid4().hex
-
-        resolver = cluster_resolver
-        if resolver is None:
-            try:
-                resolver = detect()
-            except E.ConfigurationError:
-                resolver = None
-        self._resolver = resolver
-        members = _members(resolver) if resolver is not None else []
-        if len(members) <= 1:
-            if resolver is not None and members and (resolver.task_type, resolver.task_id) != members[0][:2]:
-                raise E.ConfigurationError(
-                    f"MultiWorkerMirroredStrategy runs on chief/worker tasks; this task is "
-                    f"{resolver.task_type}:{resolver.task_id}"
-                )
+        settings = JoinSettings(
+            on_peer_failure=on_peer_failure, peer_timeout_s=peer_timeout_s, heartbeat_interval_s=heartbeat_interval_s,
+            init_timeout_s=init_timeout_s, cpu_collectives=cpu_collectives,
+            jax_heartbeat_timeout_s=jax_heartbeat_timeout_s, insecure=insecure,
+        )
+        self._job = Membership.resolve(cluster_resolver)
+        self._session = JobSession(self._job, settings)
+        self._watch = self._session.watch
+        self._closed = self._shutting_down = False
+        if self._job.num_processes == 1:
             logger.info("MultiWorkerMirroredStrategy: single process, %d local device(s)", jax.local_device_count())
-            self._rank, self._nproc, self._task = 0, 1, (f"{members[0][0]}:{members[0][1]}" if members else "local")
             super().__init__(jax.local_devices())
             self._apply_communication_options(opts)
             return
-
-        assert resolver is not None  # members came from it
-        me = (resolver.task_type, resolver.task_id)
-        ranks = [(job, i) for job, i, _ in members]
-        if me not in ranks:
-            raise E.ConfigurationError(
-                f"MultiWorkerMirroredStrategy runs on chief/worker tasks; this task is "
-                f"{resolver.task_type}:{resolver.task_id} (cluster jobs: {resolver.cluster_spec().jobs}). "
-                "Set TF_CONFIG's task to a chief or worker entry"
-            )
-        self._rank = ranks.index(me)
-        self._nproc = len(members)
-        self._task = f"{me[0]}:{me[1]}"
-        chief_job, chief_idx, chief_addr = members[0]
-        chief_task = f"{chief_job}:{chief_idx}"
-        host, _, port_s = chief_addr.rpartition(":")
-
-        if jax.distributed.is_initialized():
-            raise E.ConfigurationError(
-                "jax.distributed is already initialized; MultiWorkerMirroredStrategy initializes it itself. "
-                "Create the strategy instead of calling jax.distributed.initialize()"
-            )
-        if _backends_initialized():
-            raise E.ConfigurationError(
-                "JAX is already in use in this process (devices or arrays were created), so it can no longer "
-                "join a multi-process job. Create MultiWorkerMirroredStrategy first, before any other JAX call"
-            )
-        try:
-            bind_host = host if is_loopback(host) else "0.0.0.0"
-            if self._rank == 0:
-                jax_port = _free_port(bind_host)
-                state = CoordinationState(
-                    self._nproc, f"{host}:{jax_port}", peer_timeout_s, session_id=uuid.uuid4().hex
-                )
-                self._service = CoordinationService(
-                    state,
-                    bind_host,
-                    int(port_s),
-                    resolver.credentials,
-                    on_failure=self._handle_failure,
-                    check_interval_s=heartbeat_interval_s / 2,
-                    insecure=insecure,
-                )
-                self._service.start()
-                logger.info("coordination service for %d processes on %s", self._nproc, chief_addr)
-            self._client = CoordinationClient(chief_addr, resolver.credentials, chief_task)
-            session = self._client.register(self._rank, self._task, self._incarnation, timeout=init_timeout_s)
-            if self._rank != 0:
-                self._heartbeat = HeartbeatSender(
-                    self._client,
-                    self._rank,
-                    self._incarnation,
-                    on_failure=self._handle_failure,
-                    interval_s=heartbeat_interval_s,
-                    peer_timeout_s=peer_timeout_s,
-                )
-                self._heartbeat.start()
-            self._client.wait_all(self._rank, timeout=init_timeout_s)
-            self._raise_if_failed()
-
-            if cpu_collectives is not None:
-                jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-            elif getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "none"):
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax_addr = session["jax_coordinator_address"]
-            kwargs: dict[str, Any] = {}
-            if self._rank == 0 and is_loopback(host):
-                kwargs["coordinator_bind_address"] = f"{host}:{jax_addr.rpartition(':')[2]}"
-            logger.info(
-                "jax.distributed.initialize(%s, num_processes=%d, process_id=%d)", jax_addr, self._nproc, self._rank
-            )
-            jax.distributed.initialize(
-                jax_addr,
-                num_processes=self._nproc,
-                process_id=self._rank,
-                initialization_timeout=int(max(1, init_timeout_s)),
-                heartbeat_timeout_seconds=int(jax_heartbeat_timeout_s),
-                **kwargs,
-            )
-            self._initialized_jax = True
-            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-            super().__init__(devices)
+        with self._session.undone_on_error():
+            super().__init__(self._session.join())
             self._apply_communication_options(opts)
-        except BaseException:
-            if self._initialized_jax:
-                self._initialized_jax = False
-                try:
-                    jax.distributed.shutdown()
-                except Exception:  # noqa: BLE001 - already failing
-                    pass
-            self._teardown()
-            raise
         atexit.register(self._at_exit)
         logger.info(
             "MultiWorkerMirroredStrategy: process %d/%d (%s), %d replicas in sync",
-            self._rank,
-            self._nproc,
-            self._task,
-            self.num_replicas_in_sync,
+            self._job.rank, self._job.num_processes, self._job.task, self.num_replicas_in_sync,
         )
 
     # -- properties -----------------------------------------------------------------
 
     @property
     def cluster_resolver(self) -> ClusterResolver | None:
-        return self._resolver
+        return self._job.resolver
 
     @property
     def process_index(self) -> int:
         """This process's rank in the job (0 for the chief or worker 0)."""
-        return self._rank
+        return self._job.rank
 
     @property
     def num_processes(self) -> int:
-        return self._nproc
+        return self._job.num_processes
 
     @property
     def task(self) -> str:
         """This process's task, e.g. ``"worker:1"``."""
-        return self._task
+        return self._job.task
 
     @property
     def failure(self) -> PeerFailedError | None:
         """The peer failure seen so far, if any."""
-        return self._failure
+        return self._watch.failure
 
     # -- failures -------------------------------------------------------------------
 
-    def _handle_failure(self, err: PeerFailedError) -> None:
-        with self._failure_lock:
-            if self._failure is not None or self._closed:
-                return
-            self._failure = err
-        if self._on_peer_failure_mode == "raise":
-            logger.error("peer failure recorded; the next strategy call raises it: %s", err)
-            return
-        msg = (
-            f"jaxdist: PeerFailedError on {self._task} (process {self._rank}): {err}. "
-            f"Aborting this process with exit code {EXIT_PEER_FAILED}: it may be blocked in a collective with the "
-            "dead peer. Restart every process of the job from the last checkpoint."
-        )
-        try:
-            logger.critical("%s", msg)  # without handlers, logging's last resort prints it to stderr
-            if logger.hasHandlers():
-                sys.stderr.write(msg + "\n")
-            sys.stderr.flush()
-            for h in logging.getLogger().handlers:
-                h.flush()
-            # Said first (above): the main thread may reach interpreter exit meanwhile.
-            if self._service is not None:
-                # Process 0: keep serving briefly so the other survivors learn of the failure
-                # from their next heartbeat instead of waiting out their own timeout.
-                threading.Event().wait(min(1.0, 2 * self._interval))
-        finally:
-            os._exit(EXIT_PEER_FAILED)
-
-    def _raise_if_failed(self) -> None:
-        err = self._failure
-        if err is not None:
-            raise PeerFailedError(str(err), task=err.task, rank=err.rank) from err
-
-    def _await_failure(self, timeout: float) -> PeerFailedError | None:
-        deadline = time.monotonic() + timeout
-        while self._failure is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        return self._failure
-
-    @contextlib.contextmanager
-    def _typed_errors(self) -> Iterator[None]:
-        """Raise PeerFailedError for a runtime error that a dead peer caused."""
-        self._raise_if_failed()
-        try:
-            yield
-        except jax.errors.JaxRuntimeError as e:
-            if self._nproc == 1:
-                raise
-            # A collective with a dead peer fails before the heartbeats notice; wait for them.
-            err = self._await_failure(self._peer_timeout + 2 * self._interval)
-            if err is None:
-                raise
-            raise PeerFailedError(str(err), task=err.task, rank=err.rank) from e
-
-    def _dispatch(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self._on_peer_failure_mode == "raise" and self._nproc > 1 and self._in_flight is not None:
-            # Wait for the previous program without blocking in C++, so that a collective
-            # stuck on a dead peer can be abandoned with PeerFailedError.
-            leaves = [x for x in jax.tree.leaves(self._in_flight) if isinstance(x, jax.Array)]
-            while not all(x.is_ready() for x in leaves):  # type: ignore[attr-defined]  # jax.Array's stub lacks it
-                self._raise_if_failed()
-                time.sleep(_POLL_S)
-        watch = self._collective_timeout is not None and not any(
-            isinstance(a, jax.core.Tracer) for a in jax.tree.leaves(args)
-        )
-        if watch:
-            # Watched from before the call: the first collective's set-up (e.g. gloo's rendezvous with the
-            # peers) happens inside the dispatch itself and would otherwise wait unwatched.
-            self._watched = (time.monotonic(), None)
-        out = super()._dispatch(fn, *args)
-        if watch:
-            self._watched = (self._watched[0] if self._watched else time.monotonic(),
-                             [x for x in jax.tree.leaves(out) if isinstance(x, jax.Array)])
-        return out
+    def _new_engine(self, devices: list[jax.Device]) -> MeshEngine:
+        return MeshEngine(self, devices, guard=self._watch)
 
     def _apply_communication_options(self, opts: cdo.CommunicationOptions | None) -> None:
         """How collectives are done (implementation, packs) and the collective timeout."""
-        self._communication_options = opts
-        self._collective_timeout: float | None = None
-        self._watched: tuple[float, list[Any] | None] | None = None
+        self._engine.communication_options = opts
         if opts is None:
             return
-        plan = cdo.plan_from_options(opts, self._platform())
+        plan = cdo.plan_from_options(opts, self._engine.platform)
         if plan is not None:
-            self._cross_device_ops = plan
-        self._collective_timeout = opts.timeout
-        if self._collective_timeout is not None:
-            threading.Thread(target=self._watch_timeout, name="jaxdist-collective-timeout", daemon=True).start()
-
-    def _watch_timeout(self) -> None:
-        """Fail the job when a dispatched step has not finished within timeout_seconds (TF: DeadlineExceeded)."""
-        assert self._collective_timeout is not None
-        limit = self._collective_timeout
-        period = min(0.1, limit / 10)
-        while not self._closed and self._failure is None:
-            time.sleep(period)
-            watched = self._watched
-            if watched is None:
-                continue
-            t0, leaves = watched
-            if leaves is not None and all(x.is_ready() for x in leaves):
-                self._watched = None
-                continue
-            if time.monotonic() - t0 > limit:
-                self._handle_failure(
-                    PeerFailedError(
-                        f"a step's collectives did not finish within CommunicationOptions(timeout_seconds={limit}) "
-                        "(a peer is stuck or too slow)",
-                        task=self._task,
-                        rank=self._rank,
-                    )
-                )
-                return
+            self._engine.cross_device_ops = plan
+        if opts.timeout is not None:
+            self._watch.start_timeout_watch(opts.timeout)
 
     def _run(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None, steps: int | None = None
     ) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super()._run(fn, args, kwargs, steps)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().reduce(reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().gather(value, axis)
 
     def replicate(self, value: Any) -> Any:
-        with self._typed_errors():
+        with self._watch.typed_errors():
             return super().replicate(value)
 
     # -- lifecycle --------------------------------------------------------------------
@@ -499,17 +232,10 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         if self._closed or self._shutting_down:
             return
         self._shutting_down = True
-        if self._initialized_jax:
-            self._initialized_jax = False
-            if self._failure is not None:
-                # The barrier would wait for the dead peer until JAX's own heartbeat timeout.
-                logger.warning("skipping jax.distributed.shutdown(): %s", self._failure)
-            else:
-                try:
-                    jax.distributed.shutdown()
-                except Exception as e:  # noqa: BLE001 - best effort at exit
-                    logger.warning("jax.distributed.shutdown failed: %s", e)
-        self._teardown()
+        self._session.shutdown_jax()
+        self._closed = True
+        self._watch.close()
+        self._session.close()
 
     def _at_exit(self) -> None:
         """Interpreter exit: shut down cleanly, or end the process if a peer failed.
@@ -518,32 +244,14 @@ class MultiWorkerMirroredStrategy(_MeshStrategy):
         own shutdown barrier (run when its client is destroyed) until its
         heartbeat timeout, so the process ends at once with :data:`EXIT_PEER_FAILED`.
         """
-        if self._failure is not None and self._nproc > 1:
+        if self._watch.failure is not None and self._job.num_processes > 1:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(EXIT_PEER_FAILED)
         self.shutdown()
 
-    def _teardown(self) -> None:
-        with self._failure_lock:
-            self._closed = True
-        if self._heartbeat is not None:
-            self._heartbeat.stop()
-            self._heartbeat = None
-        if self._client is not None:
-            if self._rank != 0:
-                try:
-                    self._client.leave(self._rank, timeout=0.5)
-                except E.JaxdistError as e:  # process 0 may already be gone: it passed the same barrier
-                    logger.debug("leave: %s", e)
-            self._client.close()
-            self._client = None
-        if self._service is not None:
-            self._service.stop()
-            self._service = None
-
     def __repr__(self) -> str:
         return (
-            f"MultiWorkerMirroredStrategy(process {self._rank}/{self._nproc} {self._task}, "
+            f"MultiWorkerMirroredStrategy(process {self._job.rank}/{self._job.num_processes} {self._job.task}, "
             f"num_replicas_in_sync={self.num_replicas_in_sync})"
         )

@@ -33,6 +33,7 @@ import optax
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.reduce_op import ReduceOp
+from jaxdist.sync.strategy import Strategy
 from jaxdist.sync.variables import SyncVariable, create_variable
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class Optimizer:
             raise TypeError(f"Optimizer wants an optax GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.name = name
-        self.strategy: Any = None
+        self.strategy: Strategy | None = None
         self.iterations: SyncVariable | None = None
         self._vars: list[SyncVariable] | None = None
         self._vdef: Any = None
@@ -105,12 +106,26 @@ class Optimizer:
         self._pending_restore: dict[str, list[Any]] | None = None
         self._pending_variables: dict[str, Any] = {}
         current = ctx_lib.get_strategy()
-        if hasattr(current, "_optimizers"):
-            current._optimizers.add(self)  # so Checkpoint.restore can hand it state before it is built
+        if isinstance(current, Strategy):
+            current.engine.add_optimizer(self)  # so Checkpoint.restore can hand it state before it is built
 
     @property
     def built(self) -> bool:
         return self._vars is not None
+
+    @property
+    def parameters(self) -> list[SyncVariable] | None:
+        """The variables it updates, in its order (None until it is built)."""
+        return None if self._vars is None else list(self._vars)
+
+    @property
+    def per_variable(self) -> bool:
+        """Whether its state is kept per parameter (checkpoints then store ``opt/<param>/<i>``, as a PS does).
+
+        False until built, and for transformations whose state is not per
+        parameter (those are checkpointed as whole-state variables).
+        """
+        return self._layout is not None
 
     @property
     def variables(self) -> list[SyncVariable]:
@@ -185,7 +200,7 @@ class Optimizer:
             )
         self._sdef, self._layout = sdef, layout
         self._vars, self._vdef, self.strategy = list(leaves), vdef, strategy
-        strategy._optimizers.add(self)
+        strategy.engine.add_optimizer(self)
 
     def apply_gradients(
         self,
@@ -262,6 +277,19 @@ class Optimizer:
         return self.iterations.assign_add(jnp.ones((), jnp.int32))
 
     # -- checkpoints -----------------------------------------------------------------------
+
+    def defer_restore(self, optimizer_state: dict[str, list[Any]], variables: dict[str, Any]) -> None:
+        """Keep state restored from a checkpoint before the optimizer is built; :meth:`build` applies it (TF's deferred restoration).
+
+        Args:
+            optimizer_state: ``{parameter name: [state leaves]}`` (per-variable state).
+            variables: the checkpoint's whole-state variables of this optimizer
+                (``<name>/state/<i>``, ``<name>/iterations``), by name.
+        """
+        if self._vars is not None:
+            raise ConfigurationError(f"optimizer {self.name!r} is already built: restore its state directly")
+        self._pending_restore = optimizer_state
+        self._pending_variables = variables
 
     def per_variable_state(self) -> dict[str, list[Any]] | None:
         """``{variable name: [state leaves of tx.init(variable)]}`` (cross-replica values), or None."""

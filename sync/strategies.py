@@ -1,5 +1,9 @@
 """The public synchronous strategies: Mirrored, OneDevice, CentralStorage, TPU (TF's names and
-constructor arguments), each a :class:`~jaxdist.sync.mesh._MeshStrategy` on its devices."""
+constructor arguments), each a :class:`~jaxdist.sync.mesh.MeshStrategy` on its devices.
+
+OneDevice and CentralStorage place values differently from the others: their
+engines (:class:`OneDeviceEngine`, :class:`CentralStorageEngine`) say how.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,10 @@ from jax.sharding import SingleDeviceSharding
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import ValueContext
 from jaxdist.sync import cross_device_ops as cdo
-from jaxdist.sync.mesh import _MeshStrategy
-from jaxdist.sync.strategy import ENV_TPU_FAKE_DEVICES, _is_tracer
+from jaxdist.sync.engine import MeshEngine
+from jaxdist.sync.mesh import MeshStrategy
+from jaxdist.sync.strategy import ENV_TPU_FAKE_DEVICES
+from jaxdist.sync.values import is_tracer
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +34,7 @@ __all__ = ["MirroredStrategy", "OneDeviceStrategy", "CentralStorageStrategy", "T
 # ---------------------------------------------------------------------------------------
 
 
-def _resolve_device(spec: Any) -> jax.Device:
+def resolve_device(spec: Any) -> jax.Device:
     """A ``jax.Device`` from a device, an int (index into ``jax.devices()``) or a TF-style string."""
     if isinstance(spec, jax.Device):
         return spec
@@ -63,7 +69,7 @@ def _check_cross_device_ops(ops: Any) -> cdo.CrossDeviceOps:
     return ops
 
 
-class MirroredStrategy(_MeshStrategy):
+class MirroredStrategy(MeshStrategy):
     """Synchronous data parallelism over one host's devices (``tf.distribute.MirroredStrategy``).
 
     Variables are mirrored on every device; each step runs ``fn`` on every
@@ -79,12 +85,24 @@ class MirroredStrategy(_MeshStrategy):
     """
 
     def __init__(self, devices: Sequence[Any] | None = None, cross_device_ops: Any = None) -> None:
-        devs = jax.local_devices() if devices is None else [_resolve_device(d) for d in devices]
+        devs = jax.local_devices() if devices is None else [resolve_device(d) for d in devices]
         super().__init__(devs)
-        self._cross_device_ops = _check_cross_device_ops(cross_device_ops)
+        self._engine.cross_device_ops = _check_cross_device_ops(cross_device_ops)
 
 
-class OneDeviceStrategy(_MeshStrategy):
+class OneDeviceEngine(MeshEngine):
+    """One replica whose batches are plain arrays on its device (``OneDeviceStrategy``)."""
+
+    yields_plain_arrays = True
+
+    def distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
+        x = stacked_local[0]
+        if rows is not None and guard:  # no mask asked for: the batch keeps its real rows, as in TF
+            x = x[: int(rows[0])]
+        return jax.device_put(x, self.devices[0])
+
+
+class OneDeviceStrategy(MeshStrategy):
     """Everything on one device, through the same API (``tf.distribute.OneDeviceStrategy``).
 
     Datasets yield plain arrays on the device (no ``PerReplica``; a short
@@ -96,28 +114,40 @@ class OneDeviceStrategy(_MeshStrategy):
             such as ``"cpu:0"``, ``"/gpu:0"`` or ``"/device:CPU:0"``.
     """
 
-    #: Datasets yield the batch itself (one replica), not PerReplica values.
-    _yields_plain_arrays = True
-
     def __init__(self, device: Any) -> None:
-        super().__init__([_resolve_device(device)])
+        super().__init__([resolve_device(device)])
+
+    def _new_engine(self, devices: list[jax.Device]) -> MeshEngine:
+        return OneDeviceEngine(self, devices)
 
     @property
     def device(self) -> jax.Device:
-        return self._devices[0]
-
-    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
-        x = stacked_local[0]
-        if rows is not None and guard:  # no mask asked for: the batch keeps its real rows, as in TF
-            x = x[: int(rows[0])]
-        return jax.device_put(x, self._devices[0])
+        return self.devices[0]
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         self._check_cross_replica("experimental_distribute_values_from_function")
-        return jax.tree.map(lambda x: jax.device_put(x, self._devices[0]), value_fn(ValueContext(0, 1)))
+        return jax.tree.map(lambda x: jax.device_put(x, self.device), value_fn(ValueContext(0, 1)))
 
 
-class CentralStorageStrategy(_MeshStrategy):
+class CentralStorageEngine(MeshEngine):
+    """Replicas on the compute devices, mirrored variables and replicated outputs on one parameter device."""
+
+    def __init__(self, strategy: CentralStorageStrategy, devices: list[jax.Device], parameter_device: jax.Device) -> None:
+        super().__init__(strategy, devices)
+        self._central = SingleDeviceSharding(parameter_device)
+
+    def store_variable(self, x: Any) -> Any:
+        if is_tracer(x):
+            return x
+        return jax.device_put(x, self._central)
+
+    def finish_replicated(self, x: Any) -> Any:
+        if is_tracer(x):
+            return x
+        return jax.device_put(x, self._central)
+
+
+class CentralStorageStrategy(MeshStrategy):
     """Variables on one device, compute on all local devices (``tf.distribute.experimental.CentralStorageStrategy``).
 
     Mirrored variables (and :meth:`replicate`'s values) live on the parameter
@@ -133,30 +163,19 @@ class CentralStorageStrategy(_MeshStrategy):
     """
 
     def __init__(self, compute_devices: Sequence[Any] | None = None, parameter_device: Any = None) -> None:
-        devs = jax.local_devices() if compute_devices is None else [_resolve_device(d) for d in compute_devices]
+        devs = jax.local_devices() if compute_devices is None else [resolve_device(d) for d in compute_devices]
+        self._parameter_device = jax.devices("cpu")[0] if parameter_device is None else resolve_device(parameter_device)
         super().__init__(devs)
-        self._parameter_device = jax.devices("cpu")[0] if parameter_device is None else _resolve_device(parameter_device)
-        self._central = SingleDeviceSharding(self._parameter_device)
+
+    def _new_engine(self, devices: list[jax.Device]) -> MeshEngine:
+        return CentralStorageEngine(self, devices, self._parameter_device)
 
     @property
     def parameter_device(self) -> jax.Device:
         return self._parameter_device
 
-    def _store_variable(self, x: Any) -> Any:
-        if _is_tracer(x):
-            return x
-        return jax.device_put(x, self._central)
 
-    def _finish_replicated(self, x: jax.Array) -> jax.Array:
-        if _is_tracer(x):
-            return x
-        return jax.device_put(x, self._central)
-
-    def _is_mirrored(self, x: Any) -> bool:
-        return x in self._mirrored
-
-
-class TPUStrategy(_MeshStrategy):
+class TPUStrategy(MeshStrategy):
     """Synchronous training on TPU cores (``tf.distribute.TPUStrategy``).
 
     Set-up as in TF's TPU guide::
@@ -227,7 +246,7 @@ class TPUStrategy(_MeshStrategy):
                 )
             devs = list(assignment.replica_devices)
         elif devices is not None:
-            devs = [_resolve_device(d) for d in devices]
+            devs = [resolve_device(d) for d in devices]
         else:
             devs = _tpu_devices()
         self._device_assignment = assignment

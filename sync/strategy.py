@@ -60,8 +60,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import types
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -73,48 +71,24 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext, ValueContext
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync import cross_device_ops as cdo
+from jaxdist.sync.engine import AXIS, SyncEngine
+from jaxdist.sync.extended import StrategyExtended
 from jaxdist.sync.reduce_op import ReduceOp
-from jaxdist.sync.values import MirroredRegistry, PerReplica, is_per_replica
-from jaxdist.sync.variables import (
-    SyncVariable,
-    VariableAggregation,
-    VariableSynchronization,
-    _aggregate_stacked,
-)
+from jaxdist.sync.reductions import gather_rows, reduce_stacked
+from jaxdist.sync.values import PerReplica, is_array_like, is_per_replica
+from jaxdist.sync.variables import SyncVariable
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["AXIS", "Strategy", "default_strategy", "replicate"]
 
-#: Name of the mesh axis the replicas are laid on (usable with ``jax.lax`` collectives in ``run``).
-AXIS = "replica"
-
-#: Compiled ``run`` programs kept per strategy (LRU). Each entry is one traced
-#: function and input signature; 64 covers a train step, an eval step and a
-#: few shapes (e.g. a short last batch) with room to spare, while bounding the
-#: memory that executables of one-off lambdas could pin.
-_RUN_CACHE_SIZE = 64
-
-#: A function whose captured globals change on this many consecutive calls is
-#: retraced each time (correct, but slow): warn once, naming the global.
-_RETRACE_WARN_AFTER = 3
-
 #: Set to a JAX platform name ("cpu") to let TPUStrategy run its code path on
 #: that platform's devices when no TPU is present (tests, development).
 ENV_TPU_FAKE_DEVICES = "JAXDIST_TPU_FAKE_DEVICES"
 
-_PER_REPLICA, _REPLICATED, _STATIC, _ROWS = "per_replica", "replicated", "static", "rows"
 
-
-def _is_array_like(x: object) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-
-
-def _is_tracer(x: object) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _check_run_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+def check_run_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
+    """``run``'s ``args``/``kwargs`` as a tuple and a dict (TypeError for anything else)."""
     if kwargs is None:
         kwargs = {}
     if not isinstance(args, (tuple, list)):
@@ -124,88 +98,14 @@ def _check_run_args(args: Any, kwargs: Any) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def _check_run_options(options: Any) -> None:
+def check_run_options(options: Any) -> None:
+    """``run(options=...)``: TF's RunOptions have nothing to tune here (ConfigurationError if given)."""
     if options is not None:
         raise ConfigurationError(
             "strategy.run(options=...): TF's tf.distribute.RunOptions only tune TPUStrategy's dynamic-shape "
             "handling (bucketizing, dynamic batch sizes); jaxdist compiles static shapes, pads short batches "
             "itself (see experimental_distribute_dataset) and has no such options. Leave options=None"
         )
-
-
-# ---------------------------------------------------------------------------------------
-# The run-cache trap: functions whose captured globals changed since they were traced
-# ---------------------------------------------------------------------------------------
-
-#: Modules whose functions are library code, not user code: not scanned for captured globals.
-_LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "optax", "jaxdist", "flax", "haiku", "equinox", "chex", "ml_dtypes")
-
-
-def _fn_key(fn: Callable[..., Any]) -> Any:
-    """Cache key of a callable: bound methods by (function, instance id), others by identity."""
-    if isinstance(fn, types.MethodType):
-        return ("method", fn.__func__, id(fn.__self__))
-    return fn
-
-
-def _code_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            names |= _code_names(c)
-    return names
-
-
-def _captures(fn: Callable[..., Any], depth: int = 0, seen: set[int] | None = None) -> list[tuple[Any, Any, Any]]:
-    """``(holder, key, value)`` for every global and closure cell ``fn`` (and user functions it calls) reads.
-
-    A cached compiled program bakes these values in; if one is rebound, the
-    program is stale. Functions of libraries (jax, numpy, optax, jaxdist...)
-    are not scanned. Attribute lookups (``self.model``) and in-place
-    mutation of an array are not visible here.
-    """
-    seen = set() if seen is None else seen
-    f = fn.__func__ if isinstance(fn, types.MethodType) else fn
-    if hasattr(f, "func") and hasattr(f, "args"):  # functools.partial
-        f = f.func
-    code = getattr(f, "__code__", None)
-    if code is None or id(f) in seen or depth > 2:
-        return []
-    seen.add(id(f))
-    out: list[tuple[Any, Any, Any]] = []
-    for cell in getattr(f, "__closure__", None) or ():
-        try:
-            out.append((cell, None, cell.cell_contents))
-        except ValueError:  # an empty cell (a name assigned later)
-            pass
-    glb = getattr(f, "__globals__", {})
-    for name in sorted(_code_names(code)):
-        if name in glb:
-            out.append((glb, name, glb[name]))
-    for _, _, v in list(out):
-        if isinstance(v, types.FunctionType) and not str(getattr(v, "__module__", "") or "").startswith(
-            _LIBRARY_PREFIXES
-        ):
-            out.extend(_captures(v, depth + 1, seen))
-    return out
-
-
-def _changed_capture(caps: list[tuple[Any, Any, Any]]) -> str | None:
-    """The name of the first captured global/cell that no longer holds the traced object, else None."""
-    for holder, key, value in caps:
-        if key is None:
-            try:
-                now = holder.cell_contents
-            except ValueError:
-                return "<closure cell>"
-            if now is not value:
-                return "<closure variable>"
-        elif holder.get(key, _MISSING) is not value:
-            return str(key)
-    return None
-
-
-_MISSING = object()
 
 
 # ---------------------------------------------------------------------------------------
@@ -222,20 +122,18 @@ class Strategy:
     or ``merge_call``).
     """
 
-    _is_default = False
+    def __init__(self, engine: SyncEngine) -> None:
+        self._engine = engine
+        self._extended: StrategyExtended | None = None
 
-    def __init__(self) -> None:
-        self._default_replica_context = ctx_lib.ReplicaContext(self, None)
-        self._cross_device_ops: cdo.CrossDeviceOps = cdo.CrossDeviceOps()
-        self._communication_options: cdo.CommunicationOptions | None = None
-        self._variables: dict[str, SyncVariable] = {}
-        self._var_names: dict[str, int] = {}
-        self._var_lock = threading.Lock()
-        #: Optimizers whose state lives in this strategy (checkpoints store their state per variable).
-        self._optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._mirrored = MirroredRegistry()
-        self._extended: Any = None
-        self._jit_cache: dict[Any, Any] = {}
+    @property
+    def engine(self) -> SyncEngine:
+        """The strategy's machinery (:class:`jaxdist.sync.engine.SyncEngine`): jaxdist's interface to it.
+
+        jaxdist's modules (compiled loops, variables, ``jaxdist.function``,
+        checkpoints, datasets) call it; user code calls the strategy.
+        """
+        return self._engine
 
     # -- context -----------------------------------------------------------------
 
@@ -249,18 +147,16 @@ class Strategy:
         return ctx_lib.enter_scope(self)
 
     @property
-    def extended(self) -> Any:
+    def extended(self) -> StrategyExtended:
         """TF's ``strategy.extended`` (:class:`jaxdist.sync.extended.StrategyExtended`)."""
         if self._extended is None:
-            from jaxdist.sync.extended import StrategyExtended
-
             self._extended = StrategyExtended(self)
         return self._extended
 
     @property
     def num_replicas_in_sync(self) -> int:
         """Replicas that take part in each synchronous step (all processes together)."""
-        raise NotImplementedError
+        return self._engine.num_replicas
 
     @property
     def cluster_resolver(self) -> Any:
@@ -268,7 +164,7 @@ class Strategy:
         return None
 
     def _check_cross_replica(self, method: str) -> None:
-        if ctx_lib._state.replica and not ctx_lib._state.merge:
+        if ctx_lib.in_replica_fn():
             raise RuntimeError(
                 f"strategy.{method}() was called inside strategy.run(fn): it is a cross-replica method. "
                 "Inside fn use jaxdist.get_replica_context().all_reduce/all_gather (or merge_call) instead"
@@ -279,7 +175,7 @@ class Strategy:
     @property
     def variables(self) -> dict[str, SyncVariable]:
         """Every variable created in this strategy's scope, by name."""
-        return dict(self._variables)
+        return self._engine.variables.snapshot()
 
     def create_variable(self, initial_value: Any, **kwargs: Any) -> SyncVariable:
         """A variable of this strategy (see :func:`jaxdist.sync.variables.create_variable`)."""
@@ -292,65 +188,6 @@ class Strategy:
         from jaxdist.sync.variables import create_variables
 
         return create_variables(tree, strategy=self, **kwargs)
-
-    def _unique_name(self, name: str | None) -> str:
-        """The variable's checkpoint key.
-
-        An explicit name is kept as it is: a variable created again under a
-        name in use takes its place in the strategy's registry (what
-        :class:`jaxdist.Checkpoint` saves and restores), so "build a fresh
-        model, then restore" works as in TF, where checkpoints follow the
-        objects. Unnamed variables are numbered ``Variable``, ``Variable_1``...
-        """
-        if name:
-            return name
-        with self._var_lock:
-            n = self._var_names.get("Variable", 0)
-            cand = "Variable" if n == 0 else f"Variable_{n}"
-            while cand in self._variables:
-                n += 1
-                cand = f"Variable_{n}"
-            self._var_names["Variable"] = n + 1
-        return cand
-
-    def _create_sync_variable(
-        self,
-        value: jax.Array,
-        name: str | None,
-        trainable: bool,
-        sync: VariableSynchronization,
-        agg: VariableAggregation,
-        checkpoint: bool,
-    ) -> SyncVariable:
-        frame = ctx_lib.current_frame()
-        if frame is not None and not frame.discover:
-            raise ConfigurationError(
-                f"variable {name!r} is created inside compiled code (strategy.run / jaxdist.function) after its "
-                "first trace. Create variables in strategy.scope() before the loop (as in TF, where tf.function "
-                "supports only variables created on its first call); jaxdist.Optimizer and jaxdist.metrics "
-                "create theirs when they are built"
-            )
-        vname = self._unique_name(name)
-        with ctx_lib.outside_frames(), jax.ensure_compile_time_eval():
-            if sync is VariableSynchronization.ON_READ:
-                stored = self._store_on_read(jnp.broadcast_to(value[None], (self.num_replicas_in_sync, *value.shape)))
-            else:
-                stored = self._store_variable(value)
-        var = SyncVariable(self, vname, stored, value.shape, value.dtype, trainable, sync, agg, checkpoint)
-        self._variables[vname] = var
-        return var
-
-    def _store_variable(self, x: Any) -> Any:
-        """Where a mirrored variable's value lives (the default strategy: the default device)."""
-        return jnp.asarray(x)
-
-    def _store_on_read(self, stacked: Any) -> Any:
-        """Where a sync-on-read variable's per-replica parts live."""
-        return jnp.asarray(stacked)
-
-    def _aggregate_on_read(self, stacked: Any, aggregation: VariableAggregation) -> Any:
-        """Cross-replica read of a sync-on-read variable: its parts combined by ``aggregation``."""
-        return _aggregate_stacked(jnp.asarray(stacked), aggregation)
 
     # -- API implemented by subclasses ----------------------------------------------
 
@@ -533,57 +370,9 @@ class Strategy:
 
     # -- collectives -------------------------------------------------------------------
 
-    def _check_options(self, options: Any, what: str) -> cdo.CommunicationOptions | None:
-        opts = cdo.check_options(options, what)
-        if opts is not None and opts.timeout is not None:
-            raise ConfigurationError(
-                f"{what}: CommunicationOptions(timeout_seconds=...) per call is not supported: the collectives of a "
-                "step run inside one compiled program. Set it for the whole job with "
-                "MultiWorkerMirroredStrategy(communication_options=CommunicationOptions(timeout_seconds=...)) "
-                "(it applies to collectives between processes only, as in TF)"
-            )
-        return opts
-
     def collective_plan(self, options: Any, what: str) -> cdo.CrossDeviceOps:
-        """The cross-device ops a collective called with ``options`` uses: the plan the options ask for
-        (``CommunicationOptions(implementation=..., bytes_per_pack=...)``) where they ask for one, else the
-        strategy's own ``cross_device_ops``. ``what`` names the calling API in the errors for options that
-        cannot apply per call (``timeout_seconds``)."""
-        opts = self._check_options(options, what)
-        if opts is not None:
-            plan = cdo.plan_from_options(opts, self._platform())
-            if plan is not None:
-                return plan
-        return self._cross_device_ops
-
-    def _platform(self) -> str:
-        return jax.devices()[0].platform
-
-    def _in_replica_all_reduce(self, op: ReduceOp, value: Any, options: Any = None) -> Any:
-        rep = ctx_lib.current_replica()
-        if rep is None or rep.axis_name is None:
-            return jax.tree.map(jnp.asarray, value)
-        plan = self.collective_plan(options, "all_reduce")
-        return cdo.all_reduce(plan, op is ReduceOp.MEAN, value, rep.axis_name, self.num_replicas_in_sync)
-
-    # -- helpers shared with input_lib -----------------------------------------------
-
-    def _input_context(self) -> InputContext:
-        return InputContext(1, 0, self.num_replicas_in_sync)
-
-    def _local_replica_ids(self) -> list[int]:
-        return list(range(self.num_replicas_in_sync))
-
-    def _num_processes(self) -> int:
-        return 1
-
-    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
-        """``stacked_local[i]`` is local replica i's value -> what the dataset yields."""
-        raise NotImplementedError
-
-    def _replica_devices(self) -> list[Any]:
-        """The local replicas' devices, in local replica order."""
-        return [jax.devices()[0]]
+        """The cross-device ops a collective called with ``options`` uses (see :meth:`SyncEngine.collective_plan`)."""
+        return self._engine.collective_plan(options, what)
 
 
 # ---------------------------------------------------------------------------------------
@@ -600,18 +389,19 @@ class _DefaultStrategy(Strategy):
     unchanged (padded and masked only with ``with_mask=True``).
     """
 
-    _is_default = True
-    #: Datasets yield the batch itself (one replica), not PerReplica values.
-    _yields_plain_arrays = True
+    def __init__(self) -> None:
+        super().__init__(SyncEngine(self))
+        self._replica_context = ctx_lib.ReplicaContext(self, None)
 
     @property
-    def num_replicas_in_sync(self) -> int:
-        return 1
+    def replica_context(self) -> ctx_lib.ReplicaContext:
+        """The one replica's context (what ``get_replica_context()`` returns outside any scope)."""
+        return self._replica_context
 
     def replicate(self, value: Any) -> Any:
         if any(isinstance(x, PerReplica) for x in jax.tree.leaves(value, is_leaf=is_per_replica)):
             raise TypeError("replicate() got a PerReplica value: reduce or gather it first")
-        return jax.tree.map(lambda x: jnp.asarray(x) if _is_array_like(x) else x, value)
+        return jax.tree.map(lambda x: jnp.asarray(x) if is_array_like(x) else x, value)
 
     def run(
         self,
@@ -620,9 +410,9 @@ class _DefaultStrategy(Strategy):
         kwargs: Mapping[str, Any] | None = None,
         options: Any = None,
     ) -> Any:
-        _check_run_options(options)
-        args, kwargs = _check_run_args(args, kwargs)
-        with ctx_lib.enter_replica(self._default_replica_context):
+        check_run_options(options)
+        args, kwargs = check_run_args(args, kwargs)
+        with ctx_lib.enter_replica(self._replica_context):
             return fn(*args, **kwargs)
 
     def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -631,7 +421,7 @@ class _DefaultStrategy(Strategy):
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return _reduce_stacked(jnp.asarray(x.stacked), op, axis, x.row_counts)
+                return reduce_stacked(jnp.asarray(x.stacked), op, axis, x.row_counts)
             if isinstance(x, SyncVariable):
                 x = x.value()
             x = jnp.asarray(x)
@@ -646,7 +436,7 @@ class _DefaultStrategy(Strategy):
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return _gather_rows(x, axis)
+                return gather_rows(x, axis)
             return x  # a non-distributed value is returned unchanged, as in TF
 
         return jax.tree.map(one, value, is_leaf=is_per_replica)
@@ -659,16 +449,10 @@ class _DefaultStrategy(Strategy):
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         return value_fn(ValueContext(0, 1))
 
-    def _distribute_local(self, stacked_local: Any, rows: np.ndarray | None = None, guard: bool = False) -> Any:
-        # One replica gets the whole batch: as TF, it is yielded as it is (padded only when a mask is asked for,
-        # i.e. guard=False).
-        x = stacked_local[0]
-        return x[: int(rows[0])] if rows is not None and guard else x
-
     def _run_stacked(self, fn: Callable[..., Any], batches: list[Any], args: Sequence[Any], kwargs: Any) -> Any:
         from jaxdist.sync.loops import default_run_stacked
 
-        return default_run_stacked(self, fn, batches, args, kwargs)
+        return default_run_stacked(self._engine, fn, batches, args, kwargs)
 
     def __repr__(self) -> str:
         return "DefaultStrategy()"
@@ -678,7 +462,7 @@ _DEFAULT: _DefaultStrategy | None = None
 _DEFAULT_LOCK = threading.Lock()
 
 
-def default_strategy() -> Strategy:
+def default_strategy() -> _DefaultStrategy:
     """The process-wide default strategy (what ``get_strategy()`` returns outside any scope)."""
     global _DEFAULT
     with _DEFAULT_LOCK:
@@ -692,71 +476,6 @@ def replicate(value: Any) -> Any:
     return ctx_lib.get_strategy().replicate(value)
 
 
-def _row_mask_nd(stacked: Any, rows: Any) -> Any:
-    """``(R, b, 1, ...)`` mask of real rows for a stacked per-replica batch ``(R, b, ...)``."""
-    b = stacked.shape[1]
-    m = jnp.arange(b)[None, :] < jnp.asarray(rows)[:, None]
-    return m.reshape(m.shape + (1,) * (stacked.ndim - 2))
-
-
-def _reduce_stacked(x: Any, op: ReduceOp, axis: int | None, rows: Any = None) -> Any:
-    """Reduce ``(R, ...)`` over replicas (and ``axis`` of each value); padding rows do not count."""
-    if axis is None:
-        return (jnp.sum(x, 0) if op is ReduceOp.SUM else jnp.mean(x, 0)).astype(_result_dtype(x, op))
-    ax = _norm_axis(axis, x.ndim - 1) + 1
-    if rows is not None and ax == 1:
-        mask = _row_mask_nd(x, rows)
-        total = jnp.sum(jnp.where(mask, x, jnp.zeros_like(x)), axis=(0, 1))
-        if op is ReduceOp.SUM:
-            return total
-        return total / jnp.maximum(jnp.sum(jnp.asarray(rows)), 1)
-    return jnp.sum(x, (0, ax)) if op is ReduceOp.SUM else jnp.mean(x, (0, ax))
-
-
-def _result_dtype(x: Any, op: ReduceOp) -> Any:
-    if op is ReduceOp.MEAN and not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.float32
-    return x.dtype
-
-
-def _gather_stacked(x: jax.Array, axis: int) -> jax.Array:
-    # (R, s0, ..., sk) -> concatenation of the R slices along `axis`, replica-major.
-    if x.ndim < 2:
-        raise ValueError("gather needs per-replica values of rank >= 1 (scalars cannot be concatenated)")
-    axis = _norm_axis(axis, x.ndim - 1)
-    moved = jnp.moveaxis(x, 0, axis)
-    shape = moved.shape[:axis] + (moved.shape[axis] * moved.shape[axis + 1],) + moved.shape[axis + 2 :]
-    return moved.reshape(shape)
-
-
-def _gather_rows(x: PerReplica, axis: int) -> Any:
-    """Gather a (host-side) PerReplica, keeping only real rows of an uneven batch."""
-    stacked = jnp.asarray(x.stacked)
-    rows = x._host_rows()
-    if rows is None:
-        return _gather_stacked(stacked, axis)
-    if _norm_axis(axis, stacked.ndim - 1) != 0:
-        raise ValueError("an uneven batch (with row counts) can only be gathered along axis 0, its batch axis")
-    idx = np.concatenate([r * stacked.shape[1] + np.arange(int(n)) for r, n in enumerate(rows)]).astype(np.int32)
-    return jnp.take(_gather_stacked(stacked, 0), idx, axis=0)
-
-
-def _norm_axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"axis {axis} is out of range for per-replica values of rank {ndim}")
-    return axis % ndim
-
-
-def _non_distributed_reduce(op: ReduceOp, x: Any, axis: int | None, r: int) -> Any:
-    """TF's ``reduce_non_distributed_value``: a value made outside the strategy."""
-    if axis is None:
-        if isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0:
-            return 0
-        if op is ReduceOp.MEAN or r == 1:
-            return x
-        raise ValueError(
-            f"A non-DistributedValues value {x!r} cannot be reduced with the given reduce op {op}. "
-            "(TF raises this too: the same value on every replica has no defined SUM.) Reduce a per-replica "
-            "value (strategy.run's output), multiply by strategy.num_replicas_in_sync yourself, or use MEAN"
-        )
-    return None  # handled by the caller (axis reduction per replica, as TF's run(reduce_sum))
+def is_default_strategy(strategy: object) -> bool:
+    """Whether ``strategy`` is the default strategy (the pass-through one current outside any scope)."""
+    return isinstance(strategy, _DefaultStrategy)

@@ -110,9 +110,9 @@ def experimental_connect_to_cluster(
             f"jax.distributed is already initialized for {jax.process_count()} processes (this one {jax.process_index()}), "
             f"but the resolver describes {n} (this one {pid})"
         )
-    from jaxdist.sync.multi_worker import _backends_initialized
+    from jaxdist.sync.job_session import backends_initialized
 
-    if _backends_initialized():
+    if backends_initialized():
         raise ConfigurationError(
             "JAX is already in use in this process, so it can no longer join the TPU slice's hosts. Call "
             "jaxdist.experimental_connect_to_cluster(resolver) first, before any other JAX call"

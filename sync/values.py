@@ -34,6 +34,16 @@ import numpy as np
 __all__ = ["PerReplica", "is_per_replica", "MirroredRegistry"]
 
 
+def is_array_like(x: object) -> bool:
+    """Whether ``x`` is an array or a number: a leaf that ``run`` passes as a value (anything else is static)."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+
+
+def is_tracer(x: object) -> bool:
+    """Whether ``x`` is a JAX tracer (a value inside a trace: ``jax.jit``, ``jaxdist.function``, ``run``)."""
+    return isinstance(x, jax.core.Tracer)
+
+
 class PerReplica:
     """One value per replica (TF's ``tf.distribute.DistributedValues``/``PerReplica``).
 
@@ -49,11 +59,26 @@ class PerReplica:
         row_counts: for per-replica batches only: int array ``(num_replicas,)``,
             replica ``r``'s real rows (the rest of its ``value_shape[0]`` rows
             are zero padding).
+        host_row_counts: the same counts as a host numpy array, when the
+            maker has them (saves a device transfer when they are needed).
+        guard: whether ``strategy.run`` must check that ``fn`` handles the
+            padding rows (distributed datasets set it unless ``with_mask=True``).
+        origin: set by ``strategy.run`` on the per-replica values it returns:
+            (fn's name, fn's output tree, leaf index), so that ``run`` can warn
+            when such a value is fed back where a replicated one went before.
     """
 
     __slots__ = ("_stacked", "_rows", "_rows_host", "_guard", "_origin")
 
-    def __init__(self, stacked: Any, row_counts: Any = None) -> None:
+    def __init__(
+        self,
+        stacked: Any,
+        row_counts: Any = None,
+        *,
+        host_row_counts: np.ndarray | None = None,
+        guard: bool = False,
+        origin: tuple[str, Any, int] | None = None,
+    ) -> None:
         if not hasattr(stacked, "shape") or len(stacked.shape) < 1:
             raise ValueError(
                 "PerReplica wants an array with a leading replica axis, got "
@@ -63,13 +88,10 @@ class PerReplica:
             raise ValueError("row_counts need per-replica values with a leading (batch) dimension")
         self._stacked = stacked
         self._rows = row_counts
-        # Host copy of the row counts (when known without a device transfer) and whether
-        # strategy.run must check that fn handles padding rows (off with with_mask=True).
-        self._rows_host: np.ndarray | None = None
-        self._guard = False
-        # Set by strategy.run on the per-replica values it returns: (fn's name, fn's output tree, leaf index),
-        # so that run can warn when such a value is fed back where a replicated one went before.
-        self._origin: tuple[str, Any, int] | None = None
+        # Host copy of the row counts (when known without a device transfer).
+        self._rows_host = host_row_counts
+        self._guard = guard
+        self._origin = origin
 
     @property
     def stacked(self) -> Any:
@@ -80,6 +102,21 @@ class PerReplica:
     def row_counts(self) -> Any:
         """Real rows per replica for a batch split unevenly (None: every row is real)."""
         return self._rows
+
+    @property
+    def known_host_row_counts(self) -> np.ndarray | None:
+        """The row counts on the host if they are known without a device transfer, else None."""
+        return self._rows_host
+
+    @property
+    def guard(self) -> bool:
+        """Whether ``strategy.run`` checks that ``fn`` handles this batch's padding rows."""
+        return self._guard
+
+    @property
+    def origin(self) -> tuple[str, Any, int] | None:
+        """For a per-replica output of ``strategy.run``: (fn's name, its output tree, leaf index), else None."""
+        return self._origin
 
     @property
     def num_replicas(self) -> int:
@@ -104,7 +141,12 @@ class PerReplica:
         """
         return tuple(v for _, v in self.local_items())
 
-    def _host_rows(self) -> np.ndarray | None:
+    def host_row_counts(self) -> np.ndarray | None:
+        """Every replica's real row count on the host (None: every row is real).
+
+        Fetched from the devices the first time (in a multi-process job, an
+        all-gather: every process must call it), then kept.
+        """
         if self._rows is None:
             return None
         if self._rows_host is None:
@@ -114,7 +156,7 @@ class PerReplica:
     def local_items(self) -> list[tuple[int, Any]]:
         """``(replica_id, value)`` for each replica addressable from this process."""
         x = self._stacked
-        rows = self._host_rows()
+        rows = self.host_row_counts()
         if isinstance(x, jax.Array):
             out = []
             for shard in x.addressable_shards:

@@ -38,7 +38,7 @@ import enum
 import logging
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.extend.core as jcore
@@ -47,6 +47,9 @@ import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
+
+if TYPE_CHECKING:
+    from jaxdist.sync.strategy import Strategy
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ def _coerce(enum_cls: type[enum.Enum], value: Any, what: str) -> Any:
     raise ValueError(f"{what} must be one of {[m.name for m in enum_cls]}, got {value!r}")
 
 
-def _under_foreign_trace() -> bool:
+def under_foreign_trace() -> bool:
     """Inside jax.jit / make_jaxpr / eval_shape that jaxdist did not open a frame for."""
     try:
         return bool(jcore.unsafe_am_i_under_a_jit_DO_NOT_USE())
@@ -136,7 +139,7 @@ class SyncVariable:
 
     def __init__(
         self,
-        strategy: Any,
+        strategy: Strategy,
         name: str,
         value: Any,
         shape: tuple[int, ...],
@@ -162,6 +165,20 @@ class SyncVariable:
         return self.synchronization is VariableSynchronization.ON_READ
 
     @property
+    def storage(self) -> Any:
+        """The value as the strategy stores it (set by its engine and its compiled loops; read ``value()``).
+
+        ON_WRITE: the replicated global value. ON_READ: ``(num_replicas, *shape)``,
+        row ``r`` replica ``r``'s part. Setting it replaces the value as it
+        is, with no check: use ``assign`` to update a variable.
+        """
+        return self._value
+
+    @storage.setter
+    def storage(self, value: Any) -> None:
+        self._value = value
+
+    @property
     def ndim(self) -> int:
         return len(self.shape)
 
@@ -181,7 +198,7 @@ class SyncVariable:
         """
         frame = ctx_lib.current_frame()
         if frame is None:
-            if _under_foreign_trace():
+            if under_foreign_trace():
                 raise ConfigurationError(_FOREIGN_JIT_HELP.format(name=self.name, what="read"))
             return self._eager_read()
         return frame.read(self)
@@ -198,7 +215,7 @@ class SyncVariable:
             return self._value
         if rep is not None and rep.axis_name is None and not ctx_lib.in_merge():
             return self._value[0]  # default strategy, replica context: the one replica's part
-        return self.distribute_strategy._aggregate_on_read(self._value, self.aggregation)
+        return self.distribute_strategy.engine.aggregate_on_read(self._value, self.aggregation)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -234,7 +251,7 @@ class SyncVariable:
     def _update(self, op: str, value: Any, read_value: bool) -> Any:
         frame = ctx_lib.current_frame()
         if frame is None:
-            if _under_foreign_trace() or isinstance(value, jax.core.Tracer):
+            if under_foreign_trace() or isinstance(value, jax.core.Tracer):
                 raise ConfigurationError(_FOREIGN_JIT_HELP.format(name=self.name, what="assigned"))
             self._eager_update(op, value)
         else:
@@ -242,22 +259,22 @@ class SyncVariable:
         return self.value() if read_value else None
 
     def _eager_update(self, op: str, value: Any) -> None:
-        s = self.distribute_strategy
+        s = self.distribute_strategy.engine
         rep = ctx_lib.current_replica()
         local = rep is not None and rep.axis_name is None and not ctx_lib.in_merge()
         v = self._checked(value)
         if not self.on_read:
             new = v if op == "assign" else _apply(op, self._value, v)
-            self._value = s._store_variable(self._checked(new))
+            self._value = s.store_variable(self._checked(new))
             return
         if local:  # default strategy, replica context: the one replica's part
             new = v if op == "assign" else _apply(op, self._value[0], v)
-            self._value = s._store_on_read(jnp.asarray(new)[None])
+            self._value = s.store_on_read(jnp.asarray(new)[None])
             return
         # Cross-replica update of a sync-on-read variable: the logical value becomes the result.
         cur = self._eager_read()
         new = v if op == "assign" else _apply(op, cur, v)
-        self._value = s._store_on_read(_on_read_layout(jnp.asarray(new), self.aggregation, s.num_replicas_in_sync))
+        self._value = s.store_on_read(_on_read_layout(jnp.asarray(new), self.aggregation, s.num_replicas))
 
     # -- conversions -------------------------------------------------------------------
 
@@ -357,7 +374,7 @@ class VarFrame:
         self.touched: dict[SyncVariable, None] = {}
         self.assigned: dict[SyncVariable, None] = {}
         #: Strategies whose run/reduce ran inside this frame (their outputs are mirrored values).
-        self.strategies: set[Any] = set()
+        self.strategies: set[Strategy] = set()
 
     def source_global(self, var: SyncVariable) -> Any:
         """The variable's global value where this frame gets it from: the enclosing frame, or the variable."""
@@ -396,7 +413,7 @@ class GlobalFrame(VarFrame):
         rep = ctx_lib.current_replica()
         if rep is not None and rep.axis_name is None and not ctx_lib.in_merge():
             return g[0]
-        return _aggregate_stacked(g, var.aggregation)
+        return aggregate_stacked(g, var.aggregation)
 
     def update(self, var: SyncVariable, op: str, value: Any) -> None:
         v = var._checked(value)
@@ -415,7 +432,7 @@ class GlobalFrame(VarFrame):
         self.assigned[var] = None
 
 
-def _aggregate_stacked(stacked: Any, aggregation: VariableAggregation) -> Any:
+def aggregate_stacked(stacked: Any, aggregation: VariableAggregation) -> Any:
     """Combine per-replica parts (leading axis) as an ON_READ variable's read does."""
     if aggregation is VariableAggregation.SUM:
         return jnp.sum(stacked, axis=0).astype(stacked.dtype)
@@ -432,7 +449,7 @@ class ReplicaFrame(VarFrame):
         axis: the replica mesh axis.
     """
 
-    def __init__(self, strategy: Any, axis: str, discover: bool, parent: VarFrame | None) -> None:
+    def __init__(self, strategy: Strategy, axis: str, discover: bool, parent: VarFrame | None) -> None:
         super().__init__(discover, parent)
         self.strategy = strategy
         self.axis = axis
@@ -549,7 +566,7 @@ def create_variable(
     aggregation: VariableAggregation | str = VariableAggregation.NONE,
     dtype: Any = None,
     checkpoint: bool = True,
-    strategy: Any = None,
+    strategy: Strategy | None = None,
 ) -> SyncVariable:
     """Create a variable of the current strategy (TF: ``tf.Variable(...)`` inside ``strategy.scope()``).
 
@@ -567,8 +584,10 @@ def create_variable(
         The :class:`SyncVariable`. An ON_READ variable starts with the
         initial value on every replica, as TF.
     """
+    from jaxdist.sync.strategy import Strategy
+
     s = strategy if strategy is not None else ctx_lib.get_strategy()
-    if not hasattr(s, "_create_sync_variable"):
+    if not isinstance(s, Strategy):
         raise ConfigurationError(
             f"{type(s).__name__} does not hold synchronous variables; inside ParameterServerStrategy.scope() use "
             "jaxdist.create_variable(s), which places variables on the parameter servers"
@@ -597,7 +616,7 @@ def create_variable(
             f"variable {name!r}: the initial value is a traced value. Create variables in strategy.scope() "
             "outside compiled code (TF: tf.function supports only variables created on its first call)"
         )
-    return s._create_sync_variable(value, name, trainable, sync, agg, checkpoint)
+    return s.engine.create_variable(value, name, trainable, sync, agg, checkpoint)
 
 
 def create_variables(
@@ -608,7 +627,7 @@ def create_variables(
     synchronization: VariableSynchronization | str = VariableSynchronization.AUTO,
     aggregation: VariableAggregation | str = VariableAggregation.NONE,
     checkpoint: bool = True,
-    strategy: Any = None,
+    strategy: Strategy | None = None,
 ) -> Any:
     """One variable per array leaf of ``tree``; returns the same tree of :class:`SyncVariable` s.
 
