@@ -39,7 +39,7 @@ def main() -> None:
         for r in range(args.repeats):
             path = f"{root}/ckpt-{r}"
             t = time.perf_counter()
-            ckpt.save(path)
+            ckpt.write(path)
             saves.append(mb / (time.perf_counter() - t))
             t = time.perf_counter()
             ckpt.restore(path)

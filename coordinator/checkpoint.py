@@ -7,6 +7,13 @@ A checkpoint is a directory::
                          files with sha256, data ledger, user metadata
       ps-0.npz, ps-1.npz one numpy archive per PS task, written by that PS
 
+**Names.** As TF's ``tf.train.Checkpoint``: :meth:`Checkpoint.save` numbers its
+saves (``save(prefix)`` writes ``<prefix>-1``, ``<prefix>-2``, ...: the
+checkpoint's ``save_counter``, incremented first), :meth:`Checkpoint.write`
+writes exactly at a path, :class:`CheckpointManager` writes
+``<directory>/ckpt-<step>``, and :func:`latest_checkpoint` finds the newest of
+either kind in a directory.
+
 **Consistency.** :meth:`Checkpoint.save` pauses the coordinator
 (:meth:`ClusterCoordinator.paused`: no new closure starts; running ones finish), then every PS snapshots all its
 variables under their locks, in parallel. No push is half in a checkpoint,
@@ -66,6 +73,8 @@ __all__ = ["Checkpoint", "CheckpointManager", "latest_checkpoint", "load", "unfl
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _CKPT_RE = re.compile(r"^ckpt-(\d+)$")
+#: A save of :meth:`Checkpoint.save`: ``<prefix>-<n>`` (the manager's ``ckpt-<step>`` is one too).
+_NUMBERED_RE = re.compile(r"^.+-(\d+)$")
 #: Seconds between two looks at a PS being restored, while a save waits for it.
 _RECOVERY_POLL_S = 0.2
 
@@ -78,20 +87,46 @@ class _ShardsMissing(Exception):
         self.missing = missing
 
 
+def _numbered(name: str) -> int | None:
+    """``n`` of a checkpoint directory named ``<prefix>-<n>`` (``ckpt-<step>`` included); None for any other name."""
+    if ".tmp-" in name:  # a save in progress, or one a crash left (its manifest may be written already)
+        return None
+    m = _NUMBERED_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def latest_checkpoint(directory: str) -> str | None:
-    """The complete checkpoint with the highest step in ``directory`` (TF's ``latest_checkpoint``)."""
+    """The newest complete checkpoint in ``directory`` (TF's ``tf.train.latest_checkpoint``), or None.
+
+    Candidates are the directories named ``<prefix>-<n>`` that hold a
+    ``manifest.json`` (complete checkpoints): the ``ckpt-<step>`` of a
+    :class:`CheckpointManager` and the ``<prefix>-<n>`` of
+    :meth:`Checkpoint.save` alike. The highest ``n`` wins; between equal
+    numbers under two prefixes, the one whose manifest was written last.
+    TF reads the ``checkpoint`` state file its saves keep; jaxdist keeps
+    none and reads the directory names. None when the directory does not
+    exist or holds no checkpoint, so
+    ``checkpoint.restore(jaxdist.latest_checkpoint(dir))`` does nothing on a
+    fresh start (:meth:`Checkpoint.restore` of None is a no-op, as TF's).
+    """
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return None
-    best: tuple[int, str] | None = None
+    best: tuple[int, float, str] | None = None
     for n in names:
-        m = _CKPT_RE.match(n)
-        if m and os.path.exists(os.path.join(directory, n, MANIFEST)):
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, os.path.join(directory, n))
-    return None if best is None else best[1]
+        number = _numbered(n)
+        if number is None:
+            continue
+        manifest = os.path.join(directory, n, MANIFEST)
+        try:
+            written = os.path.getmtime(manifest)
+        except OSError:  # no manifest: an incomplete checkpoint, or not a checkpoint at all
+            continue
+        key = (number, written, n)
+        if best is None or key > best:
+            best = key
+    return None if best is None else os.path.join(directory, best[2])
 
 
 def _read_manifest(path: str) -> dict[str, Any]:
@@ -141,6 +176,10 @@ class Checkpoint:
 
     Attributes:
         step: the training step, saved in the manifest and set by restore.
+        save_counter: how many times :meth:`save` has numbered a save (TF's
+            ``save_counter``): 0 on a new Checkpoint, saved in the manifest and
+            set back by :meth:`restore`, so saves after a restore go on
+            numbering where the restored run stopped.
         metadata: any JSON-serialisable dict, saved and restored.
     """
 
@@ -154,6 +193,7 @@ class Checkpoint:
         self.coordinator = coordinator if coordinator is not None else _coordinator_of(strategy)
         self.ledger = ledger
         self.step = 0
+        self.save_counter = 0
         self.metadata: dict[str, Any] = {}
 
     def _pausing(self) -> ClusterCoordinator | None:
@@ -165,8 +205,36 @@ class Checkpoint:
         return cast("ParameterServerStrategy", self.strategy)
 
     # -------------------------------------------------------------------- save
-    def save(self, path: str) -> str:
-        """Write a checkpoint directory at ``path`` (must not exist); returns ``path``.
+    def save(self, file_prefix: str) -> str:
+        """Save a numbered checkpoint, as TF's ``Checkpoint.save``: writes ``f"{file_prefix}-{n}"``; returns that path.
+
+        ``n`` is :attr:`save_counter` plus one; the counter takes that value
+        once the checkpoint is written (a failed save leaves it, so a retry
+        writes the same number). So the TF guide's
+        ``checkpoint.save(os.path.join(checkpoint_dir, "ckpt"))`` every few
+        epochs writes ``ckpt-1``, ``ckpt-2``, ... in ``checkpoint_dir``, and
+        :func:`latest_checkpoint` finds the last. The directory is written as
+        :meth:`write` writes it (same consistency, atomicity and errors); an
+        existing ``<file_prefix>-<n>`` is never overwritten (FileExistsError:
+        TF would overwrite it): a new Checkpoint saving where an earlier run
+        saved first restores that run's latest checkpoint, which sets
+        :attr:`save_counter` back, as TF's idiom
+        ``checkpoint.restore(tf.train.latest_checkpoint(dir))`` does.
+        """
+        previous = self.save_counter
+        self.save_counter = previous + 1  # written into the manifest by write()
+        try:
+            return self.write(f"{file_prefix}-{self.save_counter}")
+        except BaseException:
+            self.save_counter = previous
+            raise
+
+    def write(self, path: str) -> str:
+        """Write a checkpoint directory at exactly ``path`` (must not exist); returns ``path``.
+
+        TF's ``Checkpoint.write``: no numbering, :attr:`save_counter` is
+        unchanged (and recorded in the manifest, as :attr:`step` is).
+        :class:`CheckpointManager` writes its ``ckpt-<step>`` with it.
 
         While checkpoint-mode PS recovery is on (``coordinator.enable_ps_recovery``),
         a PS that is down, or restarted empty (its variables missing), is being
@@ -174,6 +242,7 @@ class Checkpoint:
         to the recovery's timeout) and then saves them (the restored values).
 
         Raises:
+            FileExistsError: ``path`` exists.
             PSUnavailableError: a PS cannot be reached, or restarted empty, and
                 no recovery brings it back in time (or none is on, or it
                 failed): retry once the PS is back and restored.
@@ -279,6 +348,7 @@ class Checkpoint:
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": int(self.step),
+                "save_counter": int(self.save_counter),
                 "created": time.time(),
                 "num_ps": len(conns.clients),
                 "files": files,
@@ -301,17 +371,28 @@ class Checkpoint:
 
     # ----------------------------------------------------------------- restore
     def restore(
-        self, path: str, variables: list[str] | None = None, ps_tasks: set[int] | None = None, quiesce_timeout: float | None = None
+        self, path: str | None, variables: list[str] | None = None, ps_tasks: set[int] | None = None,
+        quiesce_timeout: float | None = None,
     ) -> None:
         """Restore variables (all, or the named ones) and optimizer states from ``path``.
 
         The current layout may differ from the saved one (re-sharding). With
         ``ps_tasks``, only shards placed on those PS tasks are restored (PS
-        recovery). Sets :attr:`step`, :attr:`metadata` and the ledger.
+        recovery). Sets :attr:`step`, :attr:`save_counter` (checkpoints
+        written before it was recorded leave it unchanged), :attr:`metadata`
+        and the ledger.
+
+        ``path`` None does nothing and returns None, as TF's ``restore(None)``:
+        ``checkpoint.restore(jaxdist.latest_checkpoint(dir))`` is then the
+        whole resume-or-start-fresh idiom (:func:`latest_checkpoint` is None
+        when there is no checkpoint yet).
 
         Raises:
             ConfigurationError: the checkpoint lacks a variable, or shapes differ.
         """
+        if path is None:  # TF's fresh start: nothing to restore, nothing changes
+            logger.info("restore(None): no checkpoint to restore; the variables keep their values")
+            return None
         if sync_ckpt.is_sync_strategy(self.strategy):
             if ps_tasks is not None or quiesce_timeout is not None:
                 raise ConfigurationError("restore(ps_tasks=, quiesce_timeout=) apply to ParameterServerStrategy only")
@@ -352,6 +433,8 @@ class Checkpoint:
                 self.ledger.load_state(manifest["ledger"])
         if ps_tasks is None:
             self.step = manifest["step"]
+            if manifest.get("save_counter") is not None:
+                self.save_counter = int(manifest["save_counter"])
             self.metadata = dict(manifest.get("metadata") or {})
 
 
@@ -399,7 +482,9 @@ class CheckpointManager:
 
     @property
     def latest_checkpoint(self) -> str | None:
-        return latest_checkpoint(self.directory)
+        """The manager's own newest ``ckpt-<step>`` (other saves in its directory are not its)."""
+        found = self.checkpoints
+        return found[-1] if found else None
 
     @property
     def checkpoints(self) -> list[str]:
@@ -413,7 +498,7 @@ class CheckpointManager:
     def save(self, step: int | None = None) -> str:
         if step is not None:
             self.checkpoint.step = step
-        path = self.checkpoint.save(os.path.join(self.directory, f"ckpt-{self.checkpoint.step}"))
+        path = self.checkpoint.write(os.path.join(self.directory, f"ckpt-{self.checkpoint.step}"))
         for old in self.checkpoints[: -self.max_to_keep]:
             shutil.rmtree(old, ignore_errors=True)
         return path
@@ -429,7 +514,8 @@ class CheckpointManager:
 def load(path: str, with_optimizer_state: bool = False) -> dict[str, Any]:
     """Read a checkpoint on one machine, without servers.
 
-    Returns ``{"step", "variables": {name: full array}, "metadata", "ledger"}``
+    Returns ``{"step", "save_counter", "variables": {name: full array}, "metadata", "ledger"}``
+    (``save_counter`` None in a checkpoint written before it was recorded)
     and, with ``with_optimizer_state``, ``"optimizer_state": {name: [leaf arrays]}``
     (row-shaped leaves concatenated across shards, in ``jax.tree.leaves`` order).
     Every file's sha256 is verified.
@@ -457,7 +543,7 @@ def load(path: str, with_optimizer_state: bool = False) -> dict[str, Any]:
     finally:
         for a in archives.values():
             a.close()
-    result: dict[str, Any] = {"step": manifest["step"], "variables": out_vars, "metadata": manifest.get("metadata") or {},
+    result: dict[str, Any] = {"step": manifest["step"], "save_counter": manifest.get("save_counter"), "variables": out_vars, "metadata": manifest.get("metadata") or {},
                               "ledger": manifest.get("ledger")}
     if with_optimizer_state:
         result["optimizer_state"] = out_opt

@@ -12,8 +12,10 @@ with no hand-written all-reduce, metric or checkpoint code:
 5. ``train_step`` / ``test_step`` run by ``strategy.run`` inside ``@jaxdist.function``
    (TF: ``@tf.function``); ``optimizer.apply_gradients`` all-reduces the gradients
    as TF's optimizers do; metrics aggregate across replicas themselves;
-6. a checkpoint every ``--checkpoint-every`` epochs (``jaxdist.CheckpointManager``);
-7. the latest checkpoint restored into a fresh model *without* a strategy and evaluated.
+6. a checkpoint every ``--checkpoint-every`` epochs: ``checkpoint.save(checkpoint_prefix)`` numbers
+   them ``ckpt-1``, ``ckpt-2``, ... as TF's ``Checkpoint.save`` does;
+7. the latest checkpoint (``jaxdist.latest_checkpoint``) restored into a fresh model *without* a
+   strategy and evaluated.
 
 Data: scikit-learn's bundled 8x8 digits (1797 images, 10 classes; no download).
 
@@ -22,7 +24,11 @@ Run::
     python examples/custom_training_loop.py --devices 8                    # 8 fake CPU devices
     python examples/custom_training_loop.py --strategy one_device
     python examples/custom_training_loop.py --strategy default             # no strategy (one replica)
-    TF_CONFIG=... python examples/custom_training_loop.py --strategy multi_worker   # one process per host
+    TF_CONFIG=... python examples/custom_training_loop.py --strategy multi_worker --checkpoint-dir DIR
+
+With ``multi_worker`` every process runs the script (one per host, each with its ``TF_CONFIG``) and
+``--checkpoint-dir`` is required: a directory every process reads (a shared filesystem), since process 0
+writes the checkpoints and every process restores the latest one at the end.
 """
 
 from __future__ import annotations
@@ -44,11 +50,18 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--global-batch-size", type=int, default=None,
                     help="default: batch size per replica x replicas (fix it to compare strategies)")
     ap.add_argument("--checkpoint-every", type=int, default=2, help="epochs between checkpoints")
-    ap.add_argument("--checkpoint-dir", default=None, help="default: a fresh temporary folder")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="default: a fresh temporary folder; required with multi_worker (a folder every process reads)")
     ap.add_argument("--weights-out", default=None, help="write the final weights here (.npz)")
     ap.add_argument("--peer-timeout", type=float, default=3.0,
                     help="multi_worker: seconds without a heartbeat before a peer is declared dead")
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.strategy == "multi_worker" and args.checkpoint_dir is None:
+        # Each process would make its own temporary folder: process 0 writes the checkpoints into its own, and the
+        # others would find none to restore at the end.
+        ap.error("--strategy multi_worker needs --checkpoint-dir DIR, a folder every process reads (a shared "
+                 "filesystem): process 0 writes the checkpoints there and every process restores the latest")
+    return args
 
 
 ARGS = parse_args()
@@ -151,13 +164,13 @@ def model_losses(params: dict[str, Any]) -> jax.Array:
 
 
 checkpoint_dir = ARGS.checkpoint_dir or tempfile.mkdtemp(prefix="jaxdist_ctl_")
+checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 
 with strategy.scope():
     model = jaxdist.create_variables(create_model(jax.random.PRNGKey(42)), name="model")  # mirrored variables
     optimizer = jaxdist.Optimizer(optax.adam(1e-3))
     optimizer.build(model)
     checkpoint = jaxdist.Checkpoint(strategy)  # the model and the optimizer's state
-    manager = jaxdist.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=2)
 
 # -- 4. loss ---------------------------------------------------------------------------------------
 
@@ -227,7 +240,8 @@ for epoch in range(EPOCHS):
         distributed_test_step(x)
 
     if (epoch + 1) % ARGS.checkpoint_every == 0:
-        manager.save(epoch + 1)
+        checkpoint.step = epoch + 1  # recorded in the checkpoint (TF's has no step; printed after the restore)
+        checkpoint.save(checkpoint_prefix)  # ckpt-1, ckpt-2, ...: numbered by checkpoint.save_counter
 
     print(
         f"Epoch {epoch + 1}, Loss: {train_loss:.4f}, Accuracy: {float(train_accuracy.result()) * 100:.2f}, "
@@ -251,8 +265,7 @@ with jaxdist.get_strategy().scope():  # outside any scope, get_strategy() is the
     eval_accuracy = jaxdist.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
 
 new_checkpoint = jaxdist.Checkpoint(None)  # no strategy
-latest = jaxdist.latest_checkpoint(checkpoint_dir)
-new_checkpoint.restore(latest)
+new_checkpoint.restore(jaxdist.latest_checkpoint(checkpoint_dir))  # restore(None), no checkpoint: does nothing
 
 
 @jaxdist.function

@@ -136,7 +136,7 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
             # fit made this a quiet point: the PS holds exactly the steps trained so far.
             ckpt = Checkpoint(self._ps.strategy)
             ckpt.step = self._ps.steps_applied()
-            ckpt.save(os.path.join(directory, f"{stem}.ckpt"))
+            ckpt.write(os.path.join(directory, f"{stem}.ckpt"))
         else:
             model.save_weights(os.path.join(directory, f"{stem}.weights.h5"), overwrite=True)
         metrics = {f"m{i}": np.asarray(v.value) for i, v in enumerate(model.metrics_variables)}

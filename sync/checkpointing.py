@@ -150,7 +150,10 @@ def _collect(strategy: Strategy) -> tuple[dict[str, np.ndarray], dict[str, dict[
 
 
 def save(ckpt: Any, path: str) -> str:
-    """Write ``ckpt``'s strategy's variables and optimizer states to the directory ``path`` (must not exist)."""
+    """Write ``ckpt``'s strategy's variables and optimizer states to the directory ``path`` (must not exist).
+
+    ``Checkpoint.write(path)`` (and ``Checkpoint.save(prefix)``, which numbers ``path``) call this.
+    """
     from jaxdist.checkpoint import FORMAT_VERSION, MANIFEST
     from jaxdist.ps_server.checkpoint_io import write_npz_atomic
 
@@ -172,6 +175,7 @@ def save(ckpt: Any, path: str) -> str:
             manifest = {
                 "format": FORMAT_VERSION,
                 "step": int(ckpt.step),
+                "save_counter": int(ckpt.save_counter),
                 "created": time.time(),
                 "num_ps": 0,
                 "writer": type(strategy).__name__,
@@ -275,4 +279,6 @@ def restore(ckpt: Any, path: str, variables: list[str] | None = None) -> None:
                 continue
             opt.restore_per_variable_state(present)
     ckpt.step = data["step"]
+    if data.get("save_counter") is not None:  # absent from checkpoints written before it was recorded
+        ckpt.save_counter = int(data["save_counter"])
     ckpt.metadata = dict(data.get("metadata") or {})

@@ -67,7 +67,7 @@ def test_round_trip_with_optimizer_state(clusters, tmp_path) -> None:  # type: i
     c = jaxdist.Checkpoint(s)
     c.step = 3
     c.metadata = {"epoch": 1}
-    path = c.save(str(tmp_path / "ckpt-3"))
+    path = c.write(str(tmp_path / "ckpt-3"))
     assert jaxdist.latest_checkpoint(str(tmp_path)) == path
     _train(params, steps=2, seed=9)  # move away, then restore
     c.restore(path)
@@ -97,7 +97,7 @@ def test_resharding_on_restore(clusters, tmp_path, src, dst) -> None:  # type: i
     s, params = _make(*layouts[src])
     _train(params)
     want = jaxdist.pull(params)
-    path = jaxdist.Checkpoint(s).save(str(tmp_path / "ckpt-1"))
+    path = jaxdist.Checkpoint(s).write(str(tmp_path / "ckpt-1"))
     s.close()
     zeros = jax.tree.map(np.zeros_like, TREE)
     s2, p2 = _make(*layouts[dst], init=zeros)
@@ -160,12 +160,52 @@ def test_manager_keeps_last_n(clusters, tmp_path) -> None:  # type: ignore[no-un
     s.close()
 
 
+def test_tf_guide_checkpoint_calls_on_parameter_servers(clusters, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """TF's guide: ``checkpoint.save(prefix)`` every few epochs, ``restore(latest_checkpoint(dir))`` to resume."""
+    two, _ = clusters
+    s, params = _make(two, jaxdist.FixedShardsPartitioner(2))
+    checkpoint = jaxdist.Checkpoint(s)
+    prefix = str(tmp_path / "ckpt")
+    pulled = []
+    for k in range(2):  # the second save under the same prefix used to raise FileExistsError
+        _train(params, steps=1, seed=k)
+        pulled.append(jaxdist.pull(params))
+        assert checkpoint.save(prefix) == f"{prefix}-{k + 1}"
+        assert checkpoint.save_counter == k + 1
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-1", "ckpt-2"]
+    for k, want in enumerate(pulled):
+        data = ckpt.load(f"{prefix}-{k + 1}")
+        assert data["save_counter"] == k + 1
+        jax.tree.map(np.testing.assert_array_equal, ckpt.unflatten(data["variables"], "m"), want)
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == f"{prefix}-2"
+    # write: exactly at the path, the counter unchanged; an existing path is refused.
+    assert checkpoint.write(str(tmp_path / "exact")) == str(tmp_path / "exact")
+    assert checkpoint.save_counter == 2
+    with pytest.raises(FileExistsError):
+        checkpoint.write(f"{prefix}-1")
+
+    _train(params, steps=1, seed=7)
+    moved = jaxdist.pull(params)
+    resumed = jaxdist.Checkpoint(s)
+    assert resumed.restore(None) is None  # a fresh start: nothing restored, nothing changed
+    assert resumed.save_counter == 0 and resumed.step == 0
+    jax.tree.map(np.testing.assert_array_equal, jaxdist.pull(params), moved)
+    resumed.restore(jaxdist.latest_checkpoint(str(tmp_path)))
+    assert resumed.save_counter == 2  # restored: the next save is ckpt-3
+    jax.tree.map(np.testing.assert_array_equal, jaxdist.pull(params), pulled[1])
+    assert resumed.save(prefix) == f"{prefix}-3"
+    # The manager's ckpt-<step> and numbered saves in one directory: the highest number wins.
+    jaxdist.CheckpointManager(jaxdist.Checkpoint(s), str(tmp_path)).save(5)
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-5")
+    s.close()
+
+
 def test_restore_without_the_cluster(clusters, tmp_path) -> None:  # type: ignore[no-untyped-def]
     two, _ = clusters
     s, params = _make(two, jaxdist.FixedShardsPartitioner(2))
     _train(params)
     want = jaxdist.pull(params)
-    path = jaxdist.Checkpoint(s).save(str(tmp_path / "ckpt-7"))
+    path = jaxdist.Checkpoint(s).write(str(tmp_path / "ckpt-7"))
     s.close()
     loaded = ckpt.load(path, with_optimizer_state=True)
     tree = ckpt.unflatten(loaded["variables"], "m")
@@ -200,7 +240,7 @@ def test_save_waits_for_running_closures_and_holds_new_ones(clusters, tmp_path) 
     running = coord.schedule(slow_add)
     poll_for(lambda: gates.arrivals(release) == 1, 30, what="the closure to run")
     saved: dict[str, str] = {}
-    saver = threading.Thread(target=lambda: saved.setdefault("path", c.save(str(tmp_path / "ckpt-1"))), name="saver")
+    saver = threading.Thread(target=lambda: saved.setdefault("path", c.write(str(tmp_path / "ckpt-1"))), name="saver")
     saver.start()
     poll_for(lambda: not coord.dispatching, 30, what="the save to pause dispatch")
     later = coord.schedule(lambda: counter.assign_add(10))
@@ -226,7 +266,7 @@ def test_restore_brings_the_data_ledger_back(clusters, tmp_path) -> None:  # typ
         led.take()
     led.mark_done(0)
     led.give_back(2)
-    path = jaxdist.Checkpoint(s, ledger=led).save(str(tmp_path / "ckpt-5"))
+    path = jaxdist.Checkpoint(s, ledger=led).write(str(tmp_path / "ckpt-5"))
     fresh = jaxdist.DataLedger(num_batches=4, epochs=1)
     jaxdist.Checkpoint(s, ledger=fresh).restore(path)
     # Handed out but not done (1 and 2) come first, then the rest; 0 is done.

@@ -100,3 +100,17 @@ def test_custom_training_loop_example_same_weights_on_every_strategy(tmp_path: P
     assert ckpts == [f"ckpt-{e}" for e in range(1, EPOCHS + 1)], ckpts
     for d in (tmp_path / "ckpt_multi_worker").iterdir():
         assert sorted(f.name for f in d.iterdir()) == ["manifest.json", "vars-0.npz"]
+
+
+@pytest.mark.timeout(120)
+def test_multi_worker_example_asks_for_a_shared_checkpoint_dir() -> None:
+    """Each process's own temporary folder left every process but 0 with no checkpoint to restore at the end
+    (it crashed there): multi_worker without ``--checkpoint-dir`` stops at once and says what to pass."""
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}  # never contacted: the arguments are refused first
+    p = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--strategy", "multi_worker", "--epochs", "1"],
+        env=_env(1, {"cluster": cluster, "task": {"type": "worker", "index": 1}}), capture_output=True, text=True, timeout=100,
+    )
+    assert p.returncode == 2, (p.returncode, p.stdout[-1000:], p.stderr[-2000:])
+    assert "--strategy multi_worker needs --checkpoint-dir" in p.stderr, p.stderr[-2000:]
+    assert "Number of devices" not in p.stdout  # stopped before joining the other process

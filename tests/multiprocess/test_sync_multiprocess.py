@@ -132,7 +132,7 @@ def _child_train(out_path: str, tpu: bool = False) -> None:
     # One checkpoint for the job: every process calls save, process 0 writes it; every process restores it.
     ckpt = jaxdist.Checkpoint(strategy)
     ckpt.step = 7
-    path = ckpt.save(os.path.join(os.environ["TEST_CKPT_DIR"], "ckpt-7"))
+    path = ckpt.write(os.path.join(os.environ["TEST_CKPT_DIR"], "ckpt-7"))
     for var in jax.tree.leaves(v):
         var.assign(np.zeros(var.shape, var.dtype))
     ckpt.restore(path)

@@ -81,7 +81,7 @@ def _child_mirrored(ckpt_in: str, ckpt_out: str, out: str) -> None:
 
     s.run(train_step, args=(next(iter(s.experimental_distribute_dataset([(x, y)]))),))
     ckpt.step = 2
-    ckpt.save(ckpt_out)
+    ckpt.write(ckpt_out)
     with jaxdist.get_strategy().scope():  # and with no strategy at all
         plain = jaxdist.create_variables({k: np.zeros_like(a) for k, a in params0.items()})
     jaxdist.Checkpoint(None).restore(ckpt_in)
@@ -160,7 +160,7 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
 
             ps_ckpt = jaxdist.Checkpoint(strategy)
             ps_ckpt.step = 1
-            ckpt1 = ps_ckpt.save(str(tmp_path / "ckpt-1"))
+            ckpt1 = ps_ckpt.write(str(tmp_path / "ckpt-1"))
             manifest = json.loads((Path(ckpt1) / "manifest.json").read_text())
             assert len(manifest["variables"]["params/w"]["shards"]) == 2 and manifest["num_ps"] == 2
             saved1 = jaxdist.checkpoint.load(ckpt1, with_optimizer_state=True)
@@ -185,7 +185,7 @@ def test_ps_strategy_methods_and_checkpoints_across_strategies(tmp_path: Path) -
             pulled = jaxdist.pull(params)
             for k in params0:
                 np.testing.assert_array_equal(np.asarray(pulled[k]), saved2["variables"][f"params/{k}"])
-            ckpt3 = jaxdist.Checkpoint(strategy).save(str(tmp_path / "ckpt-3"))
+            ckpt3 = jaxdist.Checkpoint(strategy).write(str(tmp_path / "ckpt-3"))
             saved3 = jaxdist.checkpoint.load(ckpt3, with_optimizer_state=True)
             for name in names:  # the optimizer state made the round trip too (adam: count, mu, nu)
                 assert len(saved3["optimizer_state"][name]) == len(saved2["optimizer_state"][name]) == 3

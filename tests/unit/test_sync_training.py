@@ -7,6 +7,7 @@ here the default strategy and OneDeviceStrategy exercise the same code paths wit
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -249,7 +250,7 @@ def test_optimizer_with_whole_tree_state_checkpoints_by_name(tmp_path: Path) -> 
     s.run(step)
     assert opt._layout is None  # labels make the state whole-tree
     ckpt = jaxdist.Checkpoint(s)
-    path = ckpt.save(str(tmp_path / "ckpt-1"))
+    path = ckpt.write(str(tmp_path / "ckpt-1"))
     before = [np.asarray(v.value()) for v in opt.variables]
     s.run(step)
     ckpt.restore(path)
@@ -505,4 +506,97 @@ def test_checkpoints_roundtrip_on_one_device_and_without_strategy(tmp_path: Path
     jaxdist.Checkpoint(None).restore(saved)
     np.testing.assert_array_equal(np.asarray(fresh["w"]), data["variables"]["params/w"])
     with pytest.raises(E.ConfigurationError, match="ledger"):
-        jaxdist.Checkpoint(s, ledger=object()).save(str(tmp_path / "x"))
+        jaxdist.Checkpoint(s, ledger=object()).write(str(tmp_path / "x"))
+
+
+def test_checkpoint_calls_as_tf_numbered_save_write_restore_none_latest(tmp_path: Path) -> None:
+    """TF's guide: ``checkpoint.save(prefix)`` every few epochs numbers its saves; ``restore(None)`` does nothing."""
+    params0, x, y = _data()
+    s = jaxdist.OneDeviceStrategy(0)
+    with s.scope():
+        params = jaxdist.create_variables(params0)
+        opt = jaxdist.Optimizer(optax.adam(0.1))
+        opt.build(params)
+    checkpoint = jaxdist.Checkpoint(s)
+    prefix = str(tmp_path / "ckpt")
+
+    def step() -> None:
+        g = jax.grad(lambda p: jaxdist.compute_average_loss(_per_example(p, x[:10], y[:10]), 10))(jaxdist.read_variables(params))
+        opt.apply(g, params)
+
+    values = []
+    assert checkpoint.save_counter == 0
+    for k in range(3):  # the second save under the same prefix used to raise FileExistsError
+        s.run(step)
+        values.append(np.asarray(params["w"]).copy())
+        assert checkpoint.save(prefix) == f"{prefix}-{k + 1}"
+        assert checkpoint.save_counter == k + 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-1", "ckpt-2", "ckpt-3"]
+    assert jaxdist.checkpoint.load(f"{prefix}-2")["save_counter"] == 2
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == f"{prefix}-3"
+
+    # write: exactly at the path, no numbering, and never over an existing checkpoint.
+    exact = checkpoint.write(str(tmp_path / "exact"))
+    assert exact == str(tmp_path / "exact") and checkpoint.save_counter == 3
+    with pytest.raises(FileExistsError):
+        checkpoint.write(f"{prefix}-2")
+    assert checkpoint.save_counter == 3
+
+    # restore(None), TF's fresh start: nothing changes, None comes back.
+    s.run(step)
+    moved = np.asarray(params["w"]).copy()
+    fresh = jaxdist.Checkpoint(s)
+    assert fresh.restore(None) is None
+    assert fresh.save_counter == 0 and fresh.step == 0
+    np.testing.assert_array_equal(np.asarray(params["w"]), moved)
+
+    # restore sets save_counter back: the next save goes on numbering after the restored one.
+    fresh.restore(jaxdist.latest_checkpoint(str(tmp_path)))
+    assert fresh.save_counter == 3
+    np.testing.assert_array_equal(np.asarray(params["w"]), values[2])
+    assert fresh.save(prefix) == f"{prefix}-4"
+    # Restoring an earlier save and saving again would overwrite a later one: refused, the counter stays.
+    fresh.restore(f"{prefix}-1")
+    assert fresh.save_counter == 1
+    np.testing.assert_array_equal(np.asarray(params["w"]), values[0])
+    with pytest.raises(FileExistsError):
+        fresh.save(prefix)
+    assert fresh.save_counter == 1
+
+    # latest_checkpoint: the manager's ckpt-<step> and numbered saves alike, the highest number wins.
+    manager = jaxdist.CheckpointManager(jaxdist.Checkpoint(s), str(tmp_path))
+    assert manager.save(7) == str(tmp_path / "ckpt-7")
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "ckpt-7")
+    other = jaxdist.Checkpoint(s)
+    other.save_counter = 11
+    assert other.save(str(tmp_path / "model")) == str(tmp_path / "model-12")
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-12")
+    assert manager.latest_checkpoint == str(tmp_path / "ckpt-7")  # the manager's own, as before
+
+
+def test_latest_checkpoint_picks_the_highest_complete_numbered_save(tmp_path: Path) -> None:
+    def made(name: str, manifest: bool = True, mtime: float | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        if manifest:
+            (d / "manifest.json").write_text("{}")
+            if mtime is not None:
+                os.utime(d / "manifest.json", (mtime, mtime))
+        return d
+
+    assert jaxdist.latest_checkpoint(str(tmp_path / "absent")) is None
+    assert jaxdist.latest_checkpoint(str(tmp_path)) is None
+    made("ckpt-2")
+    made("model-9")
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-9")
+    made("model-10")  # numerically, not by name ("model-9" > "model-10" as strings)
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-10")
+    made("ckpt-11", manifest=False)  # incomplete: no manifest
+    made("ckpt-12.tmp-12345678")  # a save in progress (its manifest is written before the rename)
+    (tmp_path / "notes-13").write_text("a file")
+    made("checkpoint")  # no number
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "model-10")
+    # The same number under two prefixes: the one written last.
+    made("b-20", mtime=2_000_000_000)
+    made("a-20", mtime=1_000_000_000)
+    assert jaxdist.latest_checkpoint(str(tmp_path)) == str(tmp_path / "b-20")
