@@ -42,8 +42,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import DEFAULT_MAX_MESSAGE_BYTES
 from jaxdist.transport.credentials import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, Credentials, TLSConfig
+from jaxdist.transport.server import Server
 
 if TYPE_CHECKING:
     from jaxdist.base.monitoring import MetricsExporter
@@ -116,12 +117,12 @@ class TaskServer:
         credentials: Credentials,
         insecure: bool,
         metrics: MetricsExporter | None,
-        max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         liveness: Sequence[str] = (),
     ) -> None:
         self.servicer = servicer
         self.credentials = credentials
-        self.server = rpc.Server(host, port, credentials, insecure=insecure, max_message_bytes=max_message_bytes,
+        self.server = Server(host, port, credentials, insecure=insecure, max_message_bytes=max_message_bytes,
                                  metrics_registry=metrics.registry if metrics is not None else None)
         # ``liveness``: the methods a coordinator polls to know this task is alive, served on
         # their own thread lane (see :mod:`jaxdist.transport.admission`).
@@ -245,7 +246,7 @@ def _die_with_parent() -> None:
 
 
 def run_service(
-    server: rpc.Server | TaskServer,
+    server: Server | TaskServer,
     role: str,
     index: int,
     shutdown_event: threading.Event,

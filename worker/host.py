@@ -58,8 +58,8 @@ from typing import IO
 
 from jaxdist.base import task_process
 from jaxdist.base.errors import ConfigurationError, JaxdistError
-from jaxdist.transport import rpc
-from jaxdist.transport.credentials import Credentials
+from jaxdist.transport.channel import dialable_host
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.worker.coordinator_client import CoordinatorClient
 from jaxdist.worker.server import WorkerServer
 
@@ -83,7 +83,7 @@ class WorkerHost:
         first_index: task index of service 0 (service ``i`` is ``first_index + i``).
     """
 
-    def __init__(self, count: int, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = rpc.PLAINTEXT,
+    def __init__(self, count: int, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = PLAINTEXT,
                  insecure: bool = False, first_index: int = 0) -> None:
         if count < 1:
             raise ConfigurationError(f"a worker host runs at least 1 worker service, got count={count}")
@@ -128,7 +128,7 @@ class WorkerHost:
         if self._stopped:
             return
         self._stopped = True
-        # rpc.Server.stop blocks for its own drain; one short-lived thread each lets them drain together.
+        # A gRPC server's stop blocks for its own drain; one short-lived thread each lets them drain together.
         stoppers = [threading.Thread(target=s.stop, args=(grace,), name=f"jaxdist-host-stop-{s.servicer.task_index}",
                                      daemon=True) for s in self.servers]
         for t in stoppers:
@@ -150,7 +150,7 @@ class WorkerHost:
 
     def addresses(self, advertise_host: str | None = None) -> list[str]:
         """``host:port`` of every service, as a client on this machine (or ``advertise_host``) dials it."""
-        h = advertise_host or rpc.dialable_host(self.host)
+        h = advertise_host or dialable_host(self.host)
         return [f"{h}:{p}" for p in self.ports]
 
     @property
@@ -317,7 +317,7 @@ class HostProcess:
         start_timeout: seconds to wait for the ready line.
     """
 
-    def __init__(self, count: int, credentials: Credentials = rpc.PLAINTEXT, *, first_index: int = 0,
+    def __init__(self, count: int, credentials: Credentials = PLAINTEXT, *, first_index: int = 0,
                  register_with: str | None = None, env: Mapping[str, str] | None = None,
                  log_path: str | None = None, start_timeout: float = 120.0, log_level: str = "WARNING") -> None:
         self.count = count

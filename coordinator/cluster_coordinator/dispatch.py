@@ -52,7 +52,7 @@ from jaxdist.cluster_coordinator.failure_handler import ClosureReport, Decision,
 from jaxdist.cluster_coordinator.remote_value import resolve_per_worker
 from jaxdist.proto import common_pb2, worker_pb2
 from jaxdist.proto.status import reason_of
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import channel_options
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker import closure_args
 
@@ -151,7 +151,7 @@ def _rebuild_error(r: worker_pb2.ClosureResult, task: str) -> BaseException:
 
 def make_aio_channel(address: str, credentials: Credentials) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``address`` with the options of every jaxdist channel (call on the loop)."""
-    options = rpc.channel_options()
+    options = channel_options()
     cfg = credentials.tls
     if cfg is None:
         return grpc.aio.insecure_channel(address, options=options)
