@@ -100,7 +100,7 @@ def _raw(ps: ParameterServer) -> socket.socket:
 def test_a_repeated_update_id_naming_another_variable_is_a_typed_error_on_both_transports(
     ps_server: ParameterServer, client: PSClient
 ) -> None:
-    """Issue 19: a re-run closure that pushes another variable at a position is refused, typed
+    """A re-run closure that pushes another variable at a position is refused, typed
     (FAILED_PRECONDITION), on the data plane and on gRPC alike, and changes nothing."""
     client.create([CreateSpec("other", value=np.zeros(3, np.float32))])
     assert client.push([Update("v", Op.ASSIGN_ADD, np.ones((4, 3), np.float32))], update_id="run/9/1") == ([2], False)

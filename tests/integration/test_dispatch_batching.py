@@ -1,5 +1,5 @@
 """How the dispatcher sizes RunClosures batches: a fair share of the queue, except closures that
-workers measured as short, which go ``closures_per_rpc`` at a time (issue 18)."""
+workers measured as short, which go ``closures_per_rpc`` at a time."""
 
 from __future__ import annotations
 

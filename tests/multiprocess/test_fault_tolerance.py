@@ -50,7 +50,7 @@ def test_killed_worker_closures_rerun_and_updates_apply_once() -> None:
         assert coord.status()[1]["failures"] >= 1
         assert coord.closure_counts.retried >= 1
         # The restarted worker takes work again, once the coordinator has taken it back (it may
-        # still be reconfiguring it: scheduling before that raced, see issue 14).
+        # still be reconfiguring it: closures scheduled before that could race the reconfiguration).
         poll_for(lambda: coord.status()[1]["healthy"], 30, what="worker:1 taken back")
         before = coord.status()[1]["closures_done"]
         rvs = [coord.schedule(add_one, args=(i,)) for i in range(60)]
