@@ -245,6 +245,23 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="jaxdist-parent-watch", daemon=True).start()
 
 
+def stop_on_signals() -> threading.Event:
+    """Set up a task process's main thread: exit when the launcher is gone, dump every thread's
+    stack on SIGUSR1, and return an event that SIGTERM or SIGINT sets (the process then drains)."""
+    _die_with_parent()
+    # `kill -USR1 <pid>` dumps every thread's stack to the log: the first tool for a hang.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
 def run_service(
     server: Server | TaskServer,
     role: str,
@@ -267,17 +284,7 @@ def run_service(
     calls in flight still used); ``final_report()`` (e.g. counters) is logged
     last.
     """
-    _die_with_parent()
-    # `kill -USR1 <pid>` dumps every thread's stack to the log: the first tool for a hang.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
 
     def relay() -> None:
         shutdown_event.wait()

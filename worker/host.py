@@ -1,6 +1,6 @@
 """Many worker services in one process: ``jaxdist workers`` / ``python -m jaxdist.worker.host``.
 
-Why: a big cluster can be simulated on a few machines (issue 18: 1,000 workers
+Why: a big cluster can be simulated on a few machines (e.g. 1,000 workers
 as 10 processes of 100) with real gRPC and real closures, and a SIGKILL of one
 such process takes down all its workers at once, as a machine failure would.
 
@@ -44,10 +44,8 @@ answering the coordinator's heartbeats (0.5 s each).
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -263,16 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"jaxdist workers: {e}", file=sys.stderr)
         return task_process.EXIT_CONFIG
-    task_process._die_with_parent()  # noqa: SLF001 - the shared parent watch of every task process
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = task_process.stop_on_signals()
     try:
         ports = host.start()
     except ConfigurationError as e:
