@@ -93,6 +93,13 @@ def test_kill_restart_partition() -> None:
         with pytest.raises(TimeoutError):
             wait_healthy(c.cluster_spec.task_address("ps", 0), 0.5)
         wait_healthy(c.cluster_spec.task_address("ps", 0), 10)
+        # chaos() kills and restarts workers on its own timer (the tests drive theirs by events:
+        # tests/kill_points.py); once stopped, every worker runs again.
+        before = c.pid("worker:0")
+        with c.chaos(every=0.2, downtime=0.1, seed=1) as chaos:
+            poll_for(lambda: chaos.kills >= 2, 60, what="two kills by chaos()")
+        assert c.is_running("worker:0") and c.pid("worker:0") != before
+        wait_healthy(addr, 10)
 
 
 def test_launch_runs_a_coordinator_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
