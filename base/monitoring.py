@@ -12,7 +12,7 @@ Contract:
   process (tests) do not collide.
 - Counters are read from the services' existing ``stats`` dicts *at scrape
   time* (custom collectors): the hot path pays nothing for them. The only
-  per-call cost is the RPC latency histogram (:mod:`jaxdist.transport.rpc`).
+  per-call cost is the RPC latency histogram (:mod:`jaxdist.transport.server`).
 - Names: ``jaxdist_ps_*``, ``jaxdist_worker_*``, ``jaxdist_coordinator_*``,
   ``jaxdist_rpc_server_*``; counters end in ``_total``; rates (updates/s,
   bytes/s) are ``rate()`` of the counters. Every registry also has
@@ -35,7 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from jaxdist.transport.rpc import dialable_host
+from jaxdist.transport.channel import dialable_host
 
 logger = logging.getLogger(__name__)
 

@@ -42,8 +42,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import DEFAULT_MAX_MESSAGE_BYTES
 from jaxdist.transport.credentials import ENV_TLS_CA, ENV_TLS_CERT, ENV_TLS_KEY, ENV_TOKEN, Credentials, TLSConfig
+from jaxdist.transport.server import Server
 
 if TYPE_CHECKING:
     from jaxdist.base.monitoring import MetricsExporter
@@ -116,12 +117,12 @@ class TaskServer:
         credentials: Credentials,
         insecure: bool,
         metrics: MetricsExporter | None,
-        max_message_bytes: int = rpc.DEFAULT_MAX_MESSAGE_BYTES,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         liveness: Sequence[str] = (),
     ) -> None:
         self.servicer = servicer
         self.credentials = credentials
-        self.server = rpc.Server(host, port, credentials, insecure=insecure, max_message_bytes=max_message_bytes,
+        self.server = Server(host, port, credentials, insecure=insecure, max_message_bytes=max_message_bytes,
                                  metrics_registry=metrics.registry if metrics is not None else None)
         # ``liveness``: the methods a coordinator polls to know this task is alive, served on
         # their own thread lane (see :mod:`jaxdist.transport.admission`).
@@ -244,8 +245,25 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="jaxdist-parent-watch", daemon=True).start()
 
 
+def stop_on_signals() -> threading.Event:
+    """Set up a task process's main thread: exit when the launcher is gone, dump every thread's
+    stack on SIGUSR1, and return an event that SIGTERM or SIGINT sets (the process then drains)."""
+    _die_with_parent()
+    # `kill -USR1 <pid>` dumps every thread's stack to the log: the first tool for a hang.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        logger.info("received %s, stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return stop
+
+
 def run_service(
-    server: rpc.Server | TaskServer,
+    server: Server | TaskServer,
     role: str,
     index: int,
     shutdown_event: threading.Event,
@@ -266,17 +284,7 @@ def run_service(
     calls in flight still used); ``final_report()`` (e.g. counters) is logged
     last.
     """
-    _die_with_parent()
-    # `kill -USR1 <pid>` dumps every thread's stack to the log: the first tool for a hang.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = stop_on_signals()
 
     def relay() -> None:
         shutdown_event.wait()

@@ -1,4 +1,4 @@
-"""What issue 19's transport defences cost; prints one JSON line per figure (median of --repeats).
+"""What the transport's defences against hostile peers cost; prints one JSON line per figure (median of --repeats).
 
 - ``grpc_unary_calls_per_s``: sequential tiny unary calls on one channel, to
   ``jaxdist`` (a :class:`jaxdist.transport.server.Server` with a token: the
@@ -13,7 +13,7 @@
   data-plane server in this process through shared memory: a sealed region the
   server maps (``sealed``, what clients offer first), a named region the server
   holds as a file (``named``, ``JAXDIST_SHM_SEALED=0``), a named region the
-  server maps (``reference``: unsafe, what the server did before item 9), and
+  server maps (``reference``: unsafe, what the server did before it held named regions as files), and
   over the socket alone (``socket``), for scale.
 
 Usage: python bench/bench_admission.py [--repeats 5]
@@ -162,7 +162,7 @@ def shm_figures(repeats: int) -> None:
 
 
 def _mapped_open_region(header: bytes) -> Any:
-    """The reference: the server maps the peer's region (as before issue 19's item 9)."""
+    """The reference: the server maps the peer's region (as it did before it held named regions as files)."""
     import mmap
 
     slot_bytes, _ = shm.ATTACH.unpack_from(header)

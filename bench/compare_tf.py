@@ -1,4 +1,4 @@
-"""TF ParameterServerStrategy vs jaxdist, side by side in one run, against the issue's targets.
+"""TF ParameterServerStrategy vs jaxdist, side by side in one run, against the targets below (TARGETS).
 
 For each round r = 1..--rounds this runs, each in its own subprocess with a timeout:
   bench/tf_workloads.py --workload all         under the TF interpreter      ("system": "tf")

@@ -64,9 +64,9 @@ Output: JSON lines on stdout and in --out (default bench/results/netbench.jsonl)
 round and rate the link and workload records, per rate one ``"kind": "link"`` and four
 ``"kind": "summary"`` lines (medians over rounds, jaxdist/TF, each as a fraction of the link:
 pull/push MB/s over min(workers, ps) x the bare stream, since 2 workers pulling from 2 PS use two
-downlinks at once (the issue's "link rate measured in the same run"), and over the two-stream figure; MLP steps/s over the link-bound steps/s: min(workers, ps) x stream / MLP
+downlinks at once (the link rate measured in the same run), and over the two-stream figure; MLP steps/s over the link-bound steps/s: min(workers, ps) x stream / MLP
 parameter MB, the rate at which the links could carry one pull and one push of the parameters per
-step if they overlapped perfectly; and the issue's targets: at 1 Gbit/s MLP >= 2x TF and pull/push
+step if they overlapped perfectly; and the targets (TARGETS): at 1 Gbit/s MLP >= 2x TF and pull/push
 >= 0.9 of the link, at 5 Gbit/s MLP, pull and push >= 1.5x TF); a short table on stderr.
 
 --profile [RATE] (default 1gbit) instead runs, on that rate, each of pull, push and MLP alone per
@@ -139,7 +139,7 @@ MLP_PARAM_BYTES = 4 * (784 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10)
 HOSTS = {"co": 10, "ps0": 2, "ps1": 3, "w0": 4, "w1": 5}
 PS_HOSTS, WORKER_HOSTS = ("ps0", "ps1"), ("w0", "w1")
 START_TIMEOUT_S = 180.0
-#: rate (bit/s) -> workload -> (min jaxdist/TF or None, min jaxdist fraction of the link or None): issue 17's targets
+#: rate (bit/s) -> workload -> (min jaxdist/TF or None, min jaxdist fraction of the link or None): the targets
 TARGETS: dict[float, dict[str, tuple[float | None, float | None]]] = {
     1e9: {"pull": (None, 0.9), "push": (None, 0.9), "mlp": (2.0, None)},
     5e9: {"pull": (1.5, None), "push": (1.5, None), "mlp": (1.5, None)},

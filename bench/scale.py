@@ -1,4 +1,4 @@
-"""Simulated big cluster: one coordinator and one PS against 1 .. 1,000 workers (issue 18), JSON lines.
+"""Simulated big cluster: one coordinator and one PS against 1 .. 1,000 workers, JSON lines.
 
 Workers are real gRPC services hosted by ``python -m jaxdist.worker.host`` processes of up to
 ``--per-host`` (100) services each; the coordinator is this process (its CPU, RSS and threads come

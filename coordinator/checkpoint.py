@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError, PSUnavailableError
+from jaxdist.base.files import AtomicFile
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
@@ -356,11 +357,8 @@ class Checkpoint:
                 "ledger": ledger_state,
                 "metadata": self.metadata,
             }
-            with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
+            with AtomicFile(os.path.join(tmp, MANIFEST), text=True) as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
             os.replace(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -50,7 +50,7 @@ from jaxdist.base.cluster_resolver import ClusterSpec, SimpleClusterResolver
 from jaxdist.base.cluster_resolver.base import ENV_TOKEN
 from jaxdist.base.cluster_resolver.tfconfig import ENV_JAXDIST_CLUSTER
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import wait_healthy
 from jaxdist.base.task_process import ENV_PARENT_PID, task_environment
 from jaxdist.transport.credentials import Credentials, TLSConfig
 
@@ -249,7 +249,7 @@ class LocalCluster:
             t.port = port
             pending.discard(t.name)
         for t in tasks:
-            rpc.wait_healthy(t.address, max(1.0, deadline - time.monotonic()), self.credentials)
+            wait_healthy(t.address, max(1.0, deadline - time.monotonic()), self.credentials)
 
     @property
     def credentials(self) -> Credentials:
@@ -379,7 +379,7 @@ class LocalCluster:
             except queue.Empty:
                 raise TimeoutError(f"{t.name} did not restart; logs in {t.log_path}") from None
             if port is not None:
-                rpc.wait_healthy(t.address, timeout or self.start_timeout, self.credentials)
+                wait_healthy(t.address, timeout or self.start_timeout, self.credentials)
                 return
             time.sleep(0.1 * (attempt + 1))
         raise RuntimeError(f"{t.name} could not bind {t.address} again:\n{self.logs(task)[-2000:]}")

@@ -29,7 +29,7 @@ from jaxdist.base.cluster_resolver import ClusterResolver
 from jaxdist.base.cluster_resolver.base import check_jobs, check_task
 from jaxdist.base.errors import ConfigurationError, JaxdistError
 from jaxdist.partitioners import Partitioner, shard_offsets
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import wait_healthy
 from jaxdist.proto.ps_wire import IfExists
 from jaxdist.ps_server.client import CreateSpec
 from jaxdist.ps_server.connections import PSConnections
@@ -138,7 +138,7 @@ class ParameterServerStrategy(PSStrategyMethods):
                 "staleness= (synchronous steps) does not combine with PS replication (a 'ps_backup' job) yet: "
                 "a promoted backup would not hold the staged gradients of the step being formed")
         for addr in ps + backups:
-            rpc.wait_healthy(addr, connect_timeout, self.credentials)
+            wait_healthy(addr, connect_timeout, self.credentials)
         self._conns = PSConnections(ps, self.credentials)
         #: Primary/backup pairs when the cluster has a ``ps_backup`` job (replication on), else None.
         self.replicas: ReplicaSet | None = None

@@ -6,8 +6,8 @@ ml_dtypes), and needs no extra dependency. Keys inside a file:
 ``param/<variable>`` and ``opt/<variable>/<i>`` (the i-th leaf of the
 variable's optax state, in ``jax.tree.leaves`` order).
 
-Atomicity: the PS writes ``<name>.tmp-<pid>``, fsyncs it and renames it into
-place; a crash leaves at most a ``.tmp`` file that no manifest names.
+Atomicity (:class:`jaxdist.base.files.AtomicFile`): the PS writes ``<name>.tmp-<pid>``,
+fsyncs it and renames it into place; a crash leaves at most a ``.tmp`` file that no manifest names.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any, cast
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError
+from jaxdist.base.files import AtomicFile
 from jaxdist.proto.ps_wire import RestorePiece
 
 _READ_BLOCK = 8 << 20
@@ -61,21 +62,12 @@ def write_npz_atomic(directory: str, file_name: str, arrays: dict[str, np.ndarra
     final = os.path.join(directory, file_name)
     if os.path.isdir(final):
         raise InvalidRequestError(f"checkpoint file {_short(final)} is a directory")
-    tmp = f"{final}.tmp-{os.getpid()}"
     try:
-        f = open(tmp, "wb")
+        out = AtomicFile(final)
     except OSError as e:
         raise InvalidRequestError(f"cannot create checkpoint file {_short(final)}: {e.strerror}") from None
-    try:
-        with f:
-            np.savez(f, **cast("dict[str, Any]", arrays))  # cast: numpy's stub types **kwds like allow_pickle
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with out as f:
+        np.savez(f, **cast("dict[str, Any]", arrays))  # cast: numpy's stub types **kwds like allow_pickle
     return sha256_file(final), os.path.getsize(final)
 
 

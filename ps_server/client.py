@@ -51,7 +51,7 @@ _DP_RETRY_UNREACHABLE_S = (30.0, 600.0)
 _MIN_RATE_BYTES_PER_S = 50e6
 #: Deadline of the GetStatus that finds the data plane's port. A PS answering "busy" (its liveness
 #: lane admits 64 GetStatus at once; 200-1,000 workers starting their first closures together ask
-#: more, issue 18) is asked again until then (ServiceClient's busy retry); past it this call goes
+#: more) is asked again until then (ServiceClient's busy retry); past it this call goes
 #: over gRPC and the next one asks again.
 _DISCOVERY_TIMEOUT_S = 5.0
 

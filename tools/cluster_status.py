@@ -34,7 +34,7 @@ from jaxdist.base.cluster_resolver.base import ENV_TOKEN
 from jaxdist.base.cluster_resolver.tfconfig import ENV_JAXDIST_CLUSTER
 from jaxdist.base.errors import AuthenticationError, ConfigurationError, JaxdistError
 from jaxdist.transport.credentials import Credentials
-from jaxdist.transport.rpc import PLAINTEXT
+from jaxdist.transport.credentials import PLAINTEXT
 
 logger = logging.getLogger(__name__)
 

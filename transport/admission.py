@@ -4,7 +4,7 @@ A synchronous gRPC server serves each call on a pool thread, and that thread is
 held while the call waits for its request messages. One shared pool lets any
 caller that stops mid-request (a stalled Push stream, a unary request that never
 completes, a health Watch wrapped into a blocking generator) take every thread,
-health checks and heartbeats included (issue 19, items 1 and 2). This module is
+health checks and heartbeats included. This module is
 the one gate every call passes, in gRPC's polling thread, *before* any pool
 thread is given to it:
 

@@ -1,9 +1,9 @@
 """The gRPC helpers under one name: re-exports of :mod:`~jaxdist.transport.channel`,
 :mod:`~jaxdist.transport.server` and :mod:`~jaxdist.transport.handlers`.
 
-Nothing is defined here. Modules written before the split (the worker service,
-the coordinator, the task process, tools) still say ``rpc.Server`` and
-``rpc.unary_handler``; new code imports the module that defines a name.
+Nothing is defined here. Only modules of the sync wing (``jaxdist.sync``'s
+coordination, multi_worker and tpu modules) still import through it; new code
+imports the module that defines a name, and this module goes once they do.
 """
 
 from __future__ import annotations

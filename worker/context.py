@@ -46,7 +46,7 @@ from typing import Any, TypeVar
 from jaxdist.base.errors import ConfigurationError, UnidentifiedPushError
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
-from jaxdist.transport.rpc import PLAINTEXT
+from jaxdist.transport.credentials import PLAINTEXT
 
 __all__ = [
     "ClosureIdentity",

@@ -1,6 +1,6 @@
 """Many worker services in one process: ``jaxdist workers`` / ``python -m jaxdist.worker.host``.
 
-Why: a big cluster can be simulated on a few machines (issue 18: 1,000 workers
+Why: a big cluster can be simulated on a few machines (e.g. 1,000 workers
 as 10 processes of 100) with real gRPC and real closures, and a SIGKILL of one
 such process takes down all its workers at once, as a machine failure would.
 
@@ -44,10 +44,8 @@ answering the coordinator's heartbeats (0.5 s each).
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -58,8 +56,8 @@ from typing import IO
 
 from jaxdist.base import task_process
 from jaxdist.base.errors import ConfigurationError, JaxdistError
-from jaxdist.transport import rpc
-from jaxdist.transport.credentials import Credentials
+from jaxdist.transport.channel import dialable_host
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.worker.coordinator_client import CoordinatorClient
 from jaxdist.worker.server import WorkerServer
 
@@ -83,7 +81,7 @@ class WorkerHost:
         first_index: task index of service 0 (service ``i`` is ``first_index + i``).
     """
 
-    def __init__(self, count: int, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = rpc.PLAINTEXT,
+    def __init__(self, count: int, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = PLAINTEXT,
                  insecure: bool = False, first_index: int = 0) -> None:
         if count < 1:
             raise ConfigurationError(f"a worker host runs at least 1 worker service, got count={count}")
@@ -128,7 +126,7 @@ class WorkerHost:
         if self._stopped:
             return
         self._stopped = True
-        # rpc.Server.stop blocks for its own drain; one short-lived thread each lets them drain together.
+        # A gRPC server's stop blocks for its own drain; one short-lived thread each lets them drain together.
         stoppers = [threading.Thread(target=s.stop, args=(grace,), name=f"jaxdist-host-stop-{s.servicer.task_index}",
                                      daemon=True) for s in self.servers]
         for t in stoppers:
@@ -150,7 +148,7 @@ class WorkerHost:
 
     def addresses(self, advertise_host: str | None = None) -> list[str]:
         """``host:port`` of every service, as a client on this machine (or ``advertise_host``) dials it."""
-        h = advertise_host or rpc.dialable_host(self.host)
+        h = advertise_host or dialable_host(self.host)
         return [f"{h}:{p}" for p in self.ports]
 
     @property
@@ -263,16 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigurationError as e:
         print(f"jaxdist workers: {e}", file=sys.stderr)
         return task_process.EXIT_CONFIG
-    task_process._die_with_parent()  # noqa: SLF001 - the shared parent watch of every task process
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        logger.info("received %s, stopping", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    stop = task_process.stop_on_signals()
     try:
         ports = host.start()
     except ConfigurationError as e:
@@ -317,7 +306,7 @@ class HostProcess:
         start_timeout: seconds to wait for the ready line.
     """
 
-    def __init__(self, count: int, credentials: Credentials = rpc.PLAINTEXT, *, first_index: int = 0,
+    def __init__(self, count: int, credentials: Credentials = PLAINTEXT, *, first_index: int = 0,
                  register_with: str | None = None, env: Mapping[str, str] | None = None,
                  log_path: str | None = None, start_timeout: float = 120.0, log_level: str = "WARNING") -> None:
         self.count = count

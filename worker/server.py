@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from jaxdist.base import task_process
 from jaxdist.base.errors import ConfigurationError, JaxdistError
-from jaxdist.transport import rpc
-from jaxdist.transport.credentials import Credentials
+from jaxdist.transport.channel import dialable_host
+from jaxdist.transport.credentials import PLAINTEXT, Credentials
 from jaxdist.worker.coordinator_client import CoordinatorClient
 from jaxdist.worker.servicer import SERVICE, WorkerServicer
 
@@ -27,7 +27,7 @@ class WorkerServer(task_process.TaskServer):
     worker's own PS connections use the same credentials.
     """
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = rpc.PLAINTEXT,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, credentials: Credentials = PLAINTEXT,
                  insecure: bool = False, task_index: int = 0, metrics: MetricsExporter | None = None) -> None:
         super().__init__(SERVICE, WorkerServicer(task_index, credentials), _worker_collector, host, port, credentials,
                          insecure, metrics, liveness=("Heartbeat",))
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_started(port: int) -> None:
         if args.register_with:
-            me = args.advertise_address or f"{rpc.dialable_host(args.host)}:{port}"
+            me = args.advertise_address or f"{dialable_host(args.host)}:{port}"
             with CoordinatorClient(args.register_with, w.credentials) as client:
                 index = client.register(me)
             joined.append(me)

@@ -33,10 +33,10 @@ import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError, OutOfRangeError, WorkerRestartedError
 from jaxdist.proto import common_pb2, pickling, worker_pb2
-from jaxdist.transport import rpc
+from jaxdist.transport.handlers import unary_handler
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.transport.credentials import Credentials
-from jaxdist.transport.rpc import PLAINTEXT
+from jaxdist.transport.credentials import PLAINTEXT
 from jaxdist.worker import closure_args
 from jaxdist.worker import context as wctx
 from jaxdist.worker import prefetch
@@ -112,10 +112,10 @@ class WorkerServicer:
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
-            "Configure": rpc.unary_handler("Configure", worker_pb2.ConfigureRequest.FromString, self.configure),
-            "RunClosures": rpc.unary_handler("RunClosures", worker_pb2.RunRequest.FromString, self.run_closures),
-            "Heartbeat": rpc.unary_handler("Heartbeat", common_pb2.Empty.FromString, self.heartbeat),
-            "Shutdown": rpc.unary_handler("Shutdown", common_pb2.ShutdownRequest.FromString, self.shutdown),
+            "Configure": unary_handler("Configure", worker_pb2.ConfigureRequest.FromString, self.configure),
+            "RunClosures": unary_handler("RunClosures", worker_pb2.RunRequest.FromString, self.run_closures),
+            "Heartbeat": unary_handler("Heartbeat", common_pb2.Empty.FromString, self.heartbeat),
+            "Shutdown": unary_handler("Shutdown", common_pb2.ShutdownRequest.FromString, self.shutdown),
         }
 
     def close(self) -> None:

@@ -63,7 +63,7 @@ from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, Pe
 from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer, check_worker_address
 from jaxdist.cluster_coordinator.sync_barrier import StepBarrier, turn_off
 from jaxdist.proto import worker_pb2
-from jaxdist.transport import rpc
+from jaxdist.transport.server import Server
 
 if TYPE_CHECKING:
     from jaxdist.checkpoint import CheckpointManager
@@ -526,7 +526,7 @@ class ClusterCoordinator:
         settings = DispatchSettings(self.closures_per_rpc, heartbeat_interval, failure_timeout, closure_timeout)
         self._cluster = Cluster(strategy, addresses, settings, self._queue, self.run_id,
                                 max_probe_rate=max_heartbeats_per_s, forget_after=forget_after)
-        self._registration: rpc.Server | None = None
+        self._registration: Server | None = None
         self._metrics: MetricsExporter | None = None
         self._ps_recovery_timeout: float | None = None
         self._cluster.start()
@@ -643,7 +643,7 @@ class ClusterCoordinator:
         and leave on their own; returns its ``host:port``. Stopped by :meth:`shutdown`."""
         if self._registration is not None:
             return self._cluster.registration_address
-        server = rpc.Server(host, port, self.credentials, insecure=insecure, max_workers=_REGISTRATION_THREADS)
+        server = Server(host, port, self.credentials, insecure=insecure, max_workers=_REGISTRATION_THREADS)
         server.add_service(SERVICE, CoordinatorServicer(self._cluster).handlers())
         server.start()
         self._registration = server

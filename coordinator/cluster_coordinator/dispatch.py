@@ -52,7 +52,7 @@ from jaxdist.cluster_coordinator.failure_handler import ClosureReport, Decision,
 from jaxdist.cluster_coordinator.remote_value import resolve_per_worker
 from jaxdist.proto import common_pb2, worker_pb2
 from jaxdist.proto.status import reason_of
-from jaxdist.transport import rpc
+from jaxdist.transport.channel import channel_options
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker import closure_args
 
@@ -89,8 +89,8 @@ ADMIT_TIMEOUT_S = 5.0
 #: Closures of a function whose measured run time (workers report each batch's) times the batch
 #: stays under this go out ``closures_per_rpc`` at a time even when the queue holds less than that
 #: per worker: a worker idles at most this long for a batch another worker could have split, while
-#: each call spared saves ~0.3 ms or more of CPU on each side (issue 18: at 1,000 workers the fair
-#: share alone made batches of 7.8 on average out of 16, and the machine ran out of CPU on calls).
+#: each call spared saves ~0.3 ms or more of CPU on each side (measured at 1,000 simulated workers:
+#: the fair share alone made batches of 7.8 on average out of 16, and the machine ran out of CPU on calls).
 BATCH_RUN_S = 0.01
 #: Weight of a new measurement in a function's run-time estimate (a moving average: one batch slowed
 #: down by the host's other services does not end the batching; a closure that became 10 times
@@ -151,7 +151,7 @@ def _rebuild_error(r: worker_pb2.ClosureResult, task: str) -> BaseException:
 
 def make_aio_channel(address: str, credentials: Credentials) -> grpc.aio.Channel:
     """A ``grpc.aio`` channel to ``address`` with the options of every jaxdist channel (call on the loop)."""
-    options = rpc.channel_options()
+    options = channel_options()
     cfg = credentials.tls
     if cfg is None:
         return grpc.aio.insecure_channel(address, options=options)

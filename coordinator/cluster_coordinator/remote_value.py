@@ -49,7 +49,7 @@ class RemoteValue:
         self._error: BaseException | None = None
         # Made by the first waiter (under _lock), not here: most values are settled before anyone
         # waits, and a threading.Event (a Condition and its lock) was the largest part of the
-        # coordinator's cost per schedule() (issue 18's profiles).
+        # coordinator's cost per schedule() (profiled with 1,000 simulated workers).
         self._event: threading.Event | None = None
         self._lock = threading.Lock()
 

@@ -29,7 +29,7 @@ from typing import Protocol
 import grpc
 from jaxdist.base.errors import ConfigurationError, InvalidRequestError
 from jaxdist.proto import coordinator_pb2
-from jaxdist.transport import rpc
+from jaxdist.transport.handlers import unary_handler
 from jaxdist.worker.coordinator_client import SERVICE
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,8 @@ class CoordinatorServicer:
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         parse = coordinator_pb2.RegisterWorkerRequest.FromString
         return {
-            "RegisterWorker": rpc.unary_handler("RegisterWorker", parse, self.register_worker),
-            "DeregisterWorker": rpc.unary_handler("DeregisterWorker", parse, self.deregister_worker),
+            "RegisterWorker": unary_handler("RegisterWorker", parse, self.register_worker),
+            "DeregisterWorker": unary_handler("DeregisterWorker", parse, self.deregister_worker),
         }
 
     def register_worker(self, req: coordinator_pb2.RegisterWorkerRequest, context: grpc.ServicerContext) -> coordinator_pb2.RegisterWorkerResponse:

@@ -1,9 +1,9 @@
-"""Helpers of the hostile-input tests (issue 19): raw gRPC calls, the raw data-plane framing,
+"""Helpers of the hostile-input tests: raw gRPC calls, the raw data-plane framing,
 snapshots of a PS's state, and real ``jaxdist ps`` / ``jaxdist worker`` processes.
 
 Everything here talks to servers over the wire: gRPC with the generated messages of
 ``jaxdist.proto.*_pb2`` and raw bytes, the data plane with raw sockets. The data-plane
-framing is written out here (from the docstring of ``jaxdist/proto/bulk.py``) rather than
+framing is written out here (from the docstring of ``jaxdist/transport/dataplane/__init__.py``) rather than
 imported, so that these tests keep describing the wire while modules move.
 
 Not a conftest: ``tests/conftest.py`` already owns the module name ``conftest``.
@@ -205,7 +205,7 @@ def counter_changes(before: dict[str, float], after: dict[str, float]) -> str:
 
 
 # ------------------------------------------------------------------------ data plane
-# Wire format of the PS data plane (documented at the top of jaxdist/proto/bulk.py), little-endian:
+# Wire format of the PS data plane (documented at the top of jaxdist/transport/dataplane/__init__.py), little-endian:
 HELLO = struct.Struct("<4sI")          # b"JXB1", token length; then the token
 REQUEST = struct.Struct("<4sB3xIQ")    # b"JXRQ", method, 3 pad bytes, header length, payload length
 RESPONSE = struct.Struct("<4sIIIQ")    # b"JXRS", status code, reason length, body length, payload length

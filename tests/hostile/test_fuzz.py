@@ -1,4 +1,4 @@
-"""Seeded fuzz of every jaxdist service (issue 19, must-show): thousands of malformed requests per
+"""Seeded fuzz of every jaxdist service: thousands of malformed requests per
 service, each with the exact status class its mutation kind must get, then the server must be
 alive and its state unchanged.
 
@@ -225,7 +225,7 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "push_negative_dim": INVALID,
     "push_rank_over_limit": INVALID,
     "push_oversized_spec": EXHAUSTED,
-    "push_zero_size_huge_dims": INVALID,        # issue item 6: INTERNAL today
+    "push_zero_size_huge_dims": INVALID,        # once INTERNAL
     "push_truncated_payload": INVALID,
     "push_overlong_payload": INVALID,
     "push_unknown_op": INVALID,
@@ -235,7 +235,7 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "push_gradient_without_optimizer": INVALID,
     "push_create_mixed_with_update": INVALID,
     # CREATE
-    "create_unknown_if_exists": INVALID,        # issue item 6: INTERNAL today
+    "create_unknown_if_exists": INVALID,        # once INTERNAL
     "create_existing": EXISTS,                  # if_exists=FAIL on a taken name
     "create_empty_name": INVALID,
     "create_garbage_optimizer": INVALID,
@@ -252,22 +252,22 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "unknown_variable_long_name": NOT_FOUND,
     "pull_bad_indices": INVALID,
     "pull_bad_as_dtype": INVALID,
-    "pull_zero_size_huge_indices": INVALID,     # issue item 6: UNKNOWN today
+    "pull_zero_size_huge_indices": INVALID,     # once UNKNOWN
     # DeleteVariables: all or nothing
     "delete_unknown_variable": NOT_FOUND,
     # Save
     "save_missing_fields": INVALID,
     "save_file_name_with_slash": INVALID,
-    "save_bad_file_name": INVALID,              # issue item 6: ".", "..", NUL, 20 KB: INTERNAL today
-    "save_directory_is_a_file": INVALID,        # issue item 6: INTERNAL today
+    "save_bad_file_name": INVALID,              # ".", "..", NUL, 20 KB: once INTERNAL
+    "save_directory_is_a_file": INVALID,        # once INTERNAL
     # Restore (a real checkpoint file f.npz with param/src float32 [4, 2]; target "r" float32 [4, 2])
     "restore_missing_directory": INVALID,
     "restore_bad_file": INVALID,
     "restore_missing_source": INVALID,
     "restore_piece_out_of_range": INVALID,
-    "restore_pieces_do_not_tile": INVALID,      # issue item 4: OK today, with uninitialised rows
-    "restore_negative_dst": INVALID,            # issue item 6: INTERNAL today
-    "restore_scalar_without_pieces": INVALID,   # issue item 6: INTERNAL today
+    "restore_pieces_do_not_tile": INVALID,      # once OK, with uninitialised rows
+    "restore_negative_dst": INVALID,            # once INTERNAL
+    "restore_scalar_without_pieces": INVALID,   # once INTERNAL
     "restore_wrong_trailing_shape": INVALID,
     "restore_bad_spec": INVALID,
     "restore_oversized": EXHAUSTED,
@@ -278,7 +278,7 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "replicate_before_full_sync": PRECONDITION,
     "replicate_empty_stream": INVALID,
     "replicate_bad_specs": INVALID,
-    # found while fixing item 5: a malformed full sync made the PS a backup before it was refused
+    # found while fixing SetBackup: a malformed full sync made the PS a backup before it was refused
     "replicate_malformed_full_sync": INVALID,
 }
 
@@ -578,8 +578,8 @@ WORKER_EXPECTED: dict[str, grpc.StatusCode] = {
     "configure_not_json": INVALID,
     "configure_not_an_object": INVALID,
     "configure_ps_not_a_list": INVALID,
-    "configure_ps_entries_not_strings": INVALID,   # issue item 6: INTERNAL today
-    "configure_deeply_nested": INVALID,            # issue item 6: INTERNAL today (RecursionError)
+    "configure_ps_entries_not_strings": INVALID,   # once INTERNAL
+    "configure_deeply_nested": INVALID,            # once INTERNAL (RecursionError)
     "run_wrong_incarnation": PRECONDITION,         # WorkerRestartedError
     "run_digest_mismatch": INVALID,
 }
@@ -679,14 +679,14 @@ COORDINATOR_EXPECTED: dict[str, grpc.StatusCode] = {
     "garbage": INVALID,
     "invalid_utf8_address": INVALID,
     "unknown_method": UNIMPLEMENTED,
-    "register_malformed_address": INVALID,       # issue item 7: accepted (OK) today
+    "register_malformed_address": INVALID,       # once accepted (OK)
     "deregister_unknown_address": PRECONDITION,  # "no active worker at ..." (a ConfigurationError)
     "deregister_unknown_long_address": PRECONDITION,  # the same with a 17-40 KB address (details echo it)
 }
 
 
 def coordinator_generators(own: str, worker: str) -> dict[str, Callable[[random.Random], Req]]:
-    # A fixed pool, so the addresses accepted today stay few (each costs the coordinator threads).
+    # A fixed pool, so that addresses accepted by mistake stay few (each costs the coordinator threads).
     malformed = ["", "\0", "127.0.0.1:\0", "h" * 20480, "unix:/tmp/jaxdist-fuzz.sock", "unix:", own, "127.0.0.1",
                  "127.0.0.1:99999", "127.0.0.1:-5", "127.0.0.1:http", "127.0.0.1 :80", "[::1", ":", "host:port:1", "\n:1"]
 
@@ -756,7 +756,7 @@ def test_fuzz_coordinator_registration(ps_server: ParameterServer) -> None:
 # ======================================================================== data plane
 SHM_ON = os.path.isdir("/dev/shm") and os.environ.get("JAXDIST_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
 #: Data plane (raw TCP): mutation kind -> (status of the response envelope, what the server then does
-#: with the connection). "close": the framing can no longer be trusted (module docstring of bulk.py);
+#: with the connection). "close": the framing can no longer be trusted (docstring of jaxdist.transport.dataplane);
 #: "stay": the payload is drained and the connection serves the next call (checked with a real Pull).
 DP_EXPECTED: dict[str, tuple[grpc.StatusCode, str]] = {
     # before or instead of the hello
@@ -769,7 +769,7 @@ DP_EXPECTED: dict[str, tuple[grpc.StatusCode, str]] = {
     "unknown_method": (INVALID, "close"),
     "header_too_large": (INVALID, "close"),
     "shm_attach_malformed_framing": (INVALID, "close"),
-    "impossible_payload_length": (EXHAUSTED, "close"),        # issue item 6: no status today (OverflowError)
+    "impossible_payload_length": (EXHAUSTED, "close"),        # once no status (OverflowError)
     # well framed, bad content: typed error, the connection stays usable
     "garbage_header": (INVALID, "stay"),
     "push_unknown_variable": (NOT_FOUND, "stay"),
@@ -778,15 +778,15 @@ DP_EXPECTED: dict[str, tuple[grpc.StatusCode, str]] = {
     "push_wrong_dtype": (INVALID, "stay"),
     "push_bad_spec": (INVALID, "stay"),
     "push_oversized_spec": (EXHAUSTED, "stay"),
-    "push_zero_size_huge_dims": (INVALID, "stay"),           # issue item 6: INTERNAL today
+    "push_zero_size_huge_dims": (INVALID, "stay"),           # once INTERNAL
     "push_unknown_op": (INVALID, "stay"),
     "push_scatter_bad_indices": (INVALID, "stay"),
-    "create_unknown_if_exists": (INVALID, "stay"),           # issue item 6: INTERNAL today
+    "create_unknown_if_exists": (INVALID, "stay"),           # once INTERNAL
     "create_existing": (EXISTS, "stay"),
     "pull_unknown_variable": (NOT_FOUND, "stay"),
     "pull_with_payload": (INVALID, "stay"),
     "pull_bad_indices": (INVALID, "stay"),
-    "pull_zero_size_huge_indices": (INVALID, "stay"),        # issue item 6: INTERNAL today
+    "pull_zero_size_huge_indices": (INVALID, "stay"),        # once INTERNAL
     "shm_attach_short_header": (INVALID if SHM_ON else PRECONDITION, "stay"),
     "shm_attach_bad_name": (INVALID if SHM_ON else PRECONDITION, "stay"),
     "shm_attach_bad_slot_size": (INVALID if SHM_ON else PRECONDITION, "stay"),

@@ -1,6 +1,6 @@
-"""Issue 19, items 8 and 9 through the public Python API (``import jaxdist``) on real LocalClusters:
-exactly-once has no side doors (helper threads, steps_per_execution + exactly-once data),
-CheckpointManager.save during PS recovery, LocalCluster(log_dir=...) creating its folder.
+"""Hostile use of the public Python API (``import jaxdist``) on real LocalClusters: exactly-once has
+no side doors (helper threads, steps_per_execution + exactly-once data), CheckpointManager.save
+during PS recovery, LocalCluster(log_dir=...) creating its folder.
 
 Deterministic: worker and PS kills happen at points the test waits for, never by chance.
 """
@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import poll_for
+from kill_points import KillPoints
 
 import jaxdist
 from jaxdist.errors import ConfigurationError, JaxdistError, OutOfRangeError, UpdateMismatchError
@@ -43,7 +44,7 @@ def make_strategy() -> Iterator[MakeStrategy]:
         strategy.close()
 
 
-# ------------------------------------------------------------------------------ item 8
+# ------------------------------------------------------------------------------ exactly-once side doors
 def _start_helper(kind: str, fn: Any) -> None:
     """Run ``fn`` in a thread the closure starts, and wait for it."""
     if kind == "thread":
@@ -58,9 +59,9 @@ def _start_helper(kind: str, fn: Any) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["thread", "executor"])
 def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str, make_strategy: MakeStrategy) -> None:
-    """Item 8: pushes made from a thread that a closure starts carry no identity (it is
-    thread-local), so a closure re-run after its worker died applies them twice (under SIGKILL
-    chaos 1,000 closures ended at 1,028-1,058). Here one closure pushes +1 from a helper thread
+    """Pushes made from a thread that a closure starts must carry an identity too: when it was
+    thread-local they carried none, so a closure re-run after its worker died applied them twice
+    (under SIGKILL chaos 1,000 closures ended at 1,028-1,058). Here one closure pushes +1 from a helper thread
     and +1 from its own thread, then waits; its worker is SIGKILLed while it waits and the closure
     runs again on the other worker. Both counters must end at exactly 1 (or the helper's push is
     refused with an error and its counter stays 0)."""
@@ -114,32 +115,43 @@ def test_pushes_from_a_closures_helper_thread_are_applied_exactly_once(kind: str
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_helper_thread_pushes_are_exact_under_sigkill_chaos(make_strategy: MakeStrategy) -> None:
-    """Item 8 as the issue measured it: closures each pushing +1 from a ``threading.Thread``, +1 from a
-    ``ThreadPoolExecutor`` call and +1 from their own thread while a random worker is SIGKILLed and
-    restarted every ~1 s: every counter ends at exactly the number of closures."""
+    """Closures each push +1 from a ``threading.Thread``, +1 from a ``ThreadPoolExecutor`` call and +1
+    from their own thread while workers are SIGKILLed and restarted: every counter ends at exactly the
+    number of closures. Three kills, driven by events (:mod:`kill_points`), whatever the machine's
+    speed: each lands on a closure held at another point of its body (after the helper thread's push,
+    after the executor's, after all three), so each re-run repeats a different set of pushes."""
     with jaxdist.LocalCluster(num_workers=3, num_ps=1) as cluster:
         strategy = make_strategy(cluster)
         with strategy.scope():
             counts = [jaxdist.create_variable(np.zeros((), np.int64), name=f"count_{k}") for k in ("thread", "executor", "own")]
+        chaos = KillPoints(strategy, 3)
         coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0)
         one = np.ones((), np.int64)
+        n = 600
+        # closure index -> its kill point; kill point k holds after the first k + 1 of the three pushes
+        kill_at = {(k + 1) * n // 4: k for k in range(3)}
 
         def add_one(i: int) -> int:
+            k = kill_at.get(i)
             _start_helper("thread", lambda: counts[0].assign_add(one))
+            if k == 0:
+                chaos.hold(k)
             _start_helper("executor", lambda: counts[1].assign_add(one))
+            if k == 1:
+                chaos.hold(k)
             counts[2].assign_add(one)
-            time.sleep(0.01)  # seconds of work on 3 workers, so chaos gets several kills in
+            if k == 2:
+                chaos.hold(k)
             return i
 
-        n = 600
-        with cluster.chaos(every=1.0, downtime=0.3, seed=11) as chaos:
-            rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
-            coord.join()
-        got = [int(c.numpy()) for c in counts]
+        rvs = [coord.schedule(add_one, args=(i,)) for i in range(n)]
+        chaos.run(cluster, coord)
+        coord.join()
+        got, retried = [int(c.numpy()) for c in counts], coord.closure_counts.retried
         coord.shutdown(exit_tasks=False)
-        assert chaos.kills >= 2, f"only {chaos.kills} kills happened; the run was too fast to test anything"
+        assert retried >= chaos.count, f"{retried} closures re-run after {chaos.count} kills, each of a worker holding one"
         assert sorted(rv.fetch() for rv in rvs) == list(range(n))
-        assert got == [n, n, n], f"thread, executor and own-thread counters after {n} closures and {chaos.kills} kills: {got}"
+        assert got == [n, n, n], f"thread, executor and own-thread counters after {n} closures and kills of workers {chaos.victims}: {got}"
 
 
 @pytest.mark.slow
@@ -176,9 +188,9 @@ def test_a_rerun_that_pushes_another_variable_at_a_position_is_a_typed_error(mak
 
 @pytest.mark.slow
 def test_steps_per_execution_with_an_exactly_once_iterator_trains_every_batch_once(make_strategy: MakeStrategy) -> None:
-    """Item 8: ``steps_per_execution(fn, k)`` with an ``exactly_once=True`` iterator: the second inner
-    ``next()`` raises ``OutOfRangeError: end of data`` while ``ledger.completed`` is 0; the first
-    step's push has landed and its batch goes back to the ledger, so a retry trains it twice.
+    """``steps_per_execution(fn, k)`` with an ``exactly_once=True`` iterator. It once failed: the second
+    inner ``next()`` raised ``OutOfRangeError: end of data`` while ``ledger.completed`` was 0; the
+    first step's push had landed and its batch went back to the ledger, so a retry trained it twice.
     Either k batches per closure work (every batch trained exactly once), or the combination is
     refused before anything is applied."""
     with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:
@@ -225,7 +237,7 @@ def test_steps_per_execution_with_an_exactly_once_iterator_trains_every_batch_on
             assert not trained.any(), f"refused ({error!r}) only after a step was applied: {trained.tolist()}"
 
 
-# ------------------------------------------------------------------------------ item 9
+# ------------------------------------------------------------------------------ checkpoints and logs
 def _get_status_calls(cluster: jaxdist.LocalCluster, task: str) -> float:
     """GetStatus calls the task served so far (its Prometheus endpoint; LocalCluster turns metrics on)."""
     with urllib.request.urlopen(f"http://{cluster.metrics_address(task)}/metrics", timeout=10) as r:
@@ -238,10 +250,9 @@ def _get_status_calls(cluster: jaxdist.LocalCluster, task: str) -> float:
 def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch, make_strategy: MakeStrategy
 ) -> None:
-    """Item 9: ``CheckpointManager.save`` during PS recovery raises ConfigurationError ("variable
-    missing on ps:1; was the PS restarted empty?") for a temporary state. It must raise a
-    retryable, typed error (not a configuration error), or wait for the recovery and save the
-    restored values.
+    """``CheckpointManager.save`` during PS recovery raises a retryable, typed error (not a
+    configuration error), or waits for the recovery and saves the restored values. It once raised
+    ConfigurationError ("variable missing on ps:1; was the PS restarted empty?") for a temporary state.
 
     The recovery is held (10 s at most) where it is about to restore the restarted PS, so the save
     runs while the coordinator knows the PS came back empty and is restoring it."""
@@ -295,7 +306,7 @@ def test_checkpoint_save_during_ps_recovery_is_retryable_or_waits(
 
 @pytest.mark.slow
 def test_checkpoint_save_of_a_ps_restarted_empty_without_recovery_is_a_retryable_error(tmp_path: Any, make_strategy: MakeStrategy) -> None:
-    """Item 9, without PS recovery: nothing will restore the PS, so the save fails, with
+    """Without PS recovery: nothing will restore the PS, so the save fails, with
     PSUnavailableError (UNAVAILABLE: retry once the PS is restored), not a ConfigurationError; and
     nothing is left in the checkpoint directory."""
     with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:
@@ -314,7 +325,7 @@ def test_checkpoint_save_of_a_ps_restarted_empty_without_recovery_is_a_retryable
 
 
 def test_local_cluster_creates_a_missing_log_dir(tmp_path: Any) -> None:
-    """Item 9: ``LocalCluster(log_dir=...)`` does not create a missing folder."""
+    """``LocalCluster(log_dir=...)`` creates a missing folder (it once did not)."""
     log_dir = tmp_path / "not" / "yet"
     with jaxdist.LocalCluster(num_workers=1, num_ps=1, log_dir=str(log_dir)) as cluster:
         assert cluster.is_running("ps:0") and cluster.is_running("worker:0")

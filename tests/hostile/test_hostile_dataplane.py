@@ -1,6 +1,7 @@
-"""Issue 19 on the PS data plane (raw TCP, the framing of ``jaxdist/proto/bulk.py``): item 3 (hello
-deadline, connection cap, the client that never comes back), the data-plane halves of item 6,
-and item 9's shared-memory SIGBUS.
+"""Hostile peers of the PS data plane (raw TCP, the framing documented in
+``jaxdist/transport/dataplane/__init__.py``): the connection budgets (hello deadline, connection
+cap, the client refused at the cap coming back), typed statuses for malformed requests, and a
+peer that truncates its shared-memory region.
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ def log_dir(tmp_path: Any) -> str:
     return str(tmp_path)
 
 
-# ------------------------------------------------------------------------------ item 3
+# ------------------------------------------------------------------------------ connection budgets
 @pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_hello_deadline_bounds_the_whole_hello(ps: Any) -> None:
-    """Item 3: the hello timeout is per ``recv``, not per hello: a client sending one byte every 2 s
-    stays connected indefinitely without a token. The server must close it once the hello took
-    longer than its deadline (10 s)."""
+    """The hello deadline bounds the whole hello, not each ``recv`` (per ``recv``, a client sending one
+    byte every 2 s stayed connected indefinitely without a token): the server closes it once the
+    hello took longer than its deadline (10 s)."""
     _, _, port = ps
     hello = hello_bytes(TOKEN)
     sock = socket.create_connection(("127.0.0.1", port), timeout=5)
@@ -120,9 +121,9 @@ def _answered_or_closed(socks: list[socket.socket]) -> int:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tokenless_connections_do_not_take_the_connection_cap(log_dir: str) -> None:
-    """Item 3: unauthenticated connections count against the 1,024-connection cap, so one peer
-    without the token can hold every slot: a token holder connecting then is refused
-    RESOURCE_EXHAUSTED. It must be served while 1,024 token-less connections are open."""
+    """Unauthenticated connections do not count against the 1,024-connection cap (when they did, one
+    peer without the token could hold every slot, and a token holder connecting then was refused
+    RESOURCE_EXHAUSTED): a token holder is served while 1,024 token-less connections are open."""
     with task_process("ps", log_dir, metrics=False) as task:
         ch = channel(task.address)
         socks: list[socket.socket] = []
@@ -135,7 +136,7 @@ def test_tokenless_connections_do_not_take_the_connection_cap(log_dir: str) -> N
             # waiting in the listen queue, so the token holder below comes after all of them.
             poll_for(lambda: open_sockets(task.pid) - base + _answered_or_closed(socks) >= MAX_CONNECTIONS, 60,
                      what="the PS to take the token-less connections")
-            for s in socks:  # one byte of hello each (none of them has a token); restarts today's per-recv timer
+            for s in socks:  # one byte of hello each (none of them has a token); would restart a per-recv timer
                 try:
                     s.sendall(b"J")
                 except OSError:
@@ -178,9 +179,8 @@ def _fill_cap(port: int, limit: int) -> list[socket.socket]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_client_refused_at_the_cap_comes_back_to_the_data_plane(log_dir: str) -> None:
-    """Item 3: a PSClient refused at the connection cap falls back to gRPC for good (~4-5x slower)
-    and never comes back. Once the cap has room again it must return to the data plane (within 30 s
-    of calls here)."""
+    """A PSClient refused at the connection cap falls back to gRPC (~4-5x slower), but not for good:
+    once the cap has room again it returns to the data plane (within 30 s of calls here)."""
     from jaxdist.ps_server.client import PSClient, PullSpec
 
     with task_process("ps", log_dir, metrics=False) as task:
@@ -209,7 +209,7 @@ def test_client_refused_at_the_cap_comes_back_to_the_data_plane(log_dir: str) ->
             ch.close()
 
 
-# ------------------------------------------------------------------------------ item 6
+# ------------------------------------------------------------------------------ typed statuses
 def _dp_call(port: int, method: int, header: bytes, payload: bytes = b"", payload_len: int | None = None) -> Any:
     sock = dp_connect(port)
     try:
@@ -221,7 +221,7 @@ def _dp_call(port: int, method: int, header: bytes, payload: bytes = b"", payloa
 
 @pytest.mark.parametrize("if_exists", [7, -1])
 def test_create_with_an_unknown_if_exists_is_invalid_argument_on_the_data_plane(ps: Any, if_exists: int) -> None:
-    """Item 6: a CREATE with an unknown ``if_exists`` fails INTERNAL on the data plane too."""
+    """A CREATE with an unknown ``if_exists`` is INVALID_ARGUMENT on the data plane too (once INTERNAL)."""
     _, ch, port = ps
     before = ps_variables(ch)
     header = dp_push_header([dict(name="x", op=ps_pb2.CREATE, value=(F32, [2]), if_exists=if_exists)])
@@ -235,7 +235,7 @@ HUGE_EMPTY_SHAPES = [[0, 2**62, 2**62], [2**63 - 1, 0]]
 
 @pytest.mark.parametrize("shape", HUGE_EMPTY_SHAPES, ids=str)
 def test_push_of_a_zero_element_shape_with_huge_dims_is_invalid_argument_on_the_data_plane(ps: Any, shape: list[int]) -> None:
-    """Item 6: a zero-element value with huge dimensions fails INTERNAL on the data plane."""
+    """A zero-element value with huge dimensions is INVALID_ARGUMENT on the data plane (once INTERNAL)."""
     _, ch, port = ps
     before = ps_variables(ch)
     a = _dp_call(port, DP_PUSH, dp_push_header([dict(name="v", op=ps_pb2.ASSIGN, value=(F32, shape))]))
@@ -245,7 +245,7 @@ def test_push_of_a_zero_element_shape_with_huge_dims_is_invalid_argument_on_the_
 
 @pytest.mark.parametrize("shape", HUGE_EMPTY_SHAPES, ids=str)
 def test_pull_with_zero_element_indices_of_huge_dims_is_invalid_argument_on_the_data_plane(ps: Any, shape: list[int]) -> None:
-    """Item 6: Pull with zero-element indices of huge dimensions fails INTERNAL on the data plane."""
+    """Pull with zero-element indices of huge dimensions is INVALID_ARGUMENT on the data plane (once INTERNAL)."""
     _, _, port = ps
     req = ps_pb2.PullRequest()
     e = req.entries.add(name="v", has_indices=True)
@@ -257,9 +257,9 @@ def test_pull_with_zero_element_indices_of_huge_dims_is_invalid_argument_on_the_
 
 @pytest.mark.parametrize("payload_len", [2**63, 2**64 - 1], ids=["2**63", "2**64-1"])
 def test_request_announcing_an_impossible_payload_gets_a_typed_status(ps: Any, payload_len: int, caplog: pytest.LogCaptureFixture) -> None:
-    """Item 6: a data-plane request announcing 2**63 payload bytes raises OverflowError in
-    ``settimeout``, logged as a traceback, and the connection is closed without a status. It must
-    be answered RESOURCE_EXHAUSTED (an oversized payload), without a traceback, the PS unchanged."""
+    """A data-plane request announcing 2**63 payload bytes is answered RESOURCE_EXHAUSTED (an oversized
+    payload), without a traceback, the PS unchanged. It once raised OverflowError in ``settimeout``,
+    logged as a traceback, and the connection was closed without a status."""
     _, ch, port = ps
     before, variables = state_counters(ch), ps_variables(ch)
     header = dp_push_header([dict(name="v", op=ps_pb2.ASSIGN, value=(F32, [4]))])
@@ -281,7 +281,7 @@ def test_request_announcing_an_impossible_payload_gets_a_typed_status(ps: Any, p
 
 @pytest.mark.parametrize("case", ["unknown-variable", "wrong-shape", "wrong-dtype"])
 def test_rejected_pushes_are_not_counted_on_the_data_plane(ps: Any, case: str) -> None:
-    """Item 6: rejected pushes are counted in ``pushes`` / ``bytes_pushed`` (data plane)."""
+    """Rejected pushes are not counted in ``pushes`` / ``bytes_pushed`` (data plane), as they once were."""
     _, ch, port = ps
     entry = {"unknown-variable": dict(name="nope", op=ps_pb2.ASSIGN, value=(F32, [4])),
              "wrong-shape": dict(name="v", op=ps_pb2.ASSIGN, value=(F32, [2, 2])),
@@ -293,13 +293,13 @@ def test_rejected_pushes_are_not_counted_on_the_data_plane(ps: Any, case: str) -
     assert not changed, f"a rejected push ({case}) changed the counters: {changed}"
 
 
-# ------------------------------------------------------------------------------ item 9
+# ------------------------------------------------------------------------------ shared memory
 @pytest.mark.multiprocess
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="this host has no /dev/shm (no shared-memory path)")
 def test_truncated_shared_memory_region_does_not_kill_the_ps(log_dir: str) -> None:
-    """Item 9: a same-user client can SIGBUS the PS by truncating its shared-memory region after
-    attaching. The PS must survive its peer's mistake (typed error or that connection closed),
-    keep serving, and leave the variable unchanged."""
+    """A same-user client that truncates its shared-memory region after attaching could SIGBUS a PS
+    that mapped it. The PS survives its peer's mistake (typed error or that connection closed),
+    keeps serving, and leaves the variable unchanged."""
     slot = SHM_MIN_PAYLOAD  # 64 KiB slots; a 64 KiB payload moves through slot 0
     with task_process("ps", log_dir, metrics=False) as task:
         ch = channel(task.address)
@@ -352,7 +352,7 @@ def test_truncated_shared_memory_region_does_not_kill_the_ps(log_dir: str) -> No
 @pytest.mark.skipif(not (hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")),
                     reason="no memfd_create or /proc here (no sealed shared-memory regions)")
 def test_sealed_region_the_ps_maps_cannot_be_shrunk_and_an_unsealed_one_is_refused(log_dir: str) -> None:
-    """Item 9, the fast path: the PS maps only a memfd sealed against shrinking (``fd:<pid>/<fd>``).
+    """The shared-memory fast path: the PS maps only a memfd sealed against shrinking (``fd:<pid>/<fd>``).
     An unsealed one is refused before anything is read or written (FAILED_PRECONDITION); once a
     sealed one is mapped, its owner can no longer truncate it, and a push through it lands."""
     import fcntl

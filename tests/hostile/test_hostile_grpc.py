@@ -1,8 +1,8 @@
-"""Issue 19, items 4-7 over gRPC: every malformed request gets its typed status and changes nothing.
+"""Malformed requests over gRPC: every one gets its typed status and changes nothing.
 
 Real gRPC servers on 127.0.0.1 port 0 in this process (``ParameterServer``, ``WorkerServer``,
 the coordinator's registration service), called with raw bytes and the generated messages.
-The data-plane halves of item 6 are in ``test_hostile_dataplane.py``.
+The data plane's typed statuses are in ``test_hostile_dataplane.py``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def ps(ps_server: ParameterServer) -> Iterator[tuple[ParameterServer, grpc.Chann
     ch.close()
 
 
-# ------------------------------------------------------------------ item 4: Restore
+# ------------------------------------------------------------------ Restore
 def _checkpoint_file(directory: str) -> np.ndarray:
     """``directory/f.npz`` holding ``param/src``, a float32 [4, 2] array (a PS checkpoint file)."""
     src = np.arange(8, dtype=np.float32).reshape(4, 2) + 10
@@ -80,12 +80,12 @@ def _restore(directory: str, name: str, shape: list[int], pieces: list[tuple[int
 
 
 @pytest.mark.parametrize("pieces", [
-    [(0, 2, 0), (0, 2, 0)],   # the issue's case: both pieces write rows 0-1, rows 2-3 never written
+    [(0, 2, 0), (0, 2, 0)],   # both pieces write rows 0-1, rows 2-3 never written
     [(0, 2, 0), (0, 2, 1)],   # rows 0-2 written (row 1 twice), row 3 never written
 ], ids=["same-rows-twice", "overlap-by-one"])
 def test_restore_pieces_that_do_not_tile_the_variable_are_invalid_argument(ps: Any, tmp_path: Any, pieces: list) -> None:
-    """Item 4: two pieces that both write rows 0-1 of a 4-row variable pass the row-count check;
-    the PS answers OK and rows 2-3 hold uninitialised memory. Pieces must tile the destination
+    """Two pieces that both write rows 0-1 of a 4-row variable pass a row-count check (the PS once
+    answered OK, leaving rows 2-3 uninitialised memory). Pieces must tile the destination
     exactly, or INVALID_ARGUMENT, and the variable being restored is left as it was."""
     server, ch = ps
     _checkpoint_file(str(tmp_path))
@@ -97,7 +97,7 @@ def test_restore_pieces_that_do_not_tile_the_variable_are_invalid_argument(ps: A
 
 
 def test_restore_of_a_scalar_entry_without_pieces_is_invalid_argument(ps: Any, tmp_path: Any) -> None:
-    """Item 6: Restore of a scalar entry with no pieces fails INTERNAL (IndexError)."""
+    """Restore of a scalar entry with no pieces is INVALID_ARGUMENT (once INTERNAL: an IndexError)."""
     _, ch = ps
     _checkpoint_file(str(tmp_path))
     before = ps_variables(ch)
@@ -107,7 +107,7 @@ def test_restore_of_a_scalar_entry_without_pieces_is_invalid_argument(ps: Any, t
 
 
 def test_restore_with_a_negative_dst_start_is_invalid_argument(ps: Any, tmp_path: Any) -> None:
-    """Item 6: Restore with ``dst_start=-2`` fails INTERNAL (numpy broadcast error)."""
+    """Restore with ``dst_start=-2`` is INVALID_ARGUMENT (once INTERNAL: a numpy broadcast error)."""
     _, ch = ps
     _checkpoint_file(str(tmp_path))
     before = ps_variables(ch)
@@ -116,10 +116,10 @@ def test_restore_with_a_negative_dst_start_is_invalid_argument(ps: Any, tmp_path
     assert ps_variables(ch) == before
 
 
-# ---------------------------------------------------------------- item 5: SetBackup
+# ---------------------------------------------------------------- SetBackup
 def test_rejected_set_backup_leaves_the_epoch_unchanged(ps: Any) -> None:
-    """Item 5: ``SetBackup(address="127.0.0.1:1", epoch=5)`` fails UNAVAILABLE but leaves
-    ``replica_epoch`` at 5, so a later valid ``SetBackup(epoch=1)`` is refused."""
+    """``SetBackup(address=<a closed port>, epoch=5)`` fails UNAVAILABLE and changes nothing: it once
+    left ``replica_epoch`` at 5, so that a later valid ``SetBackup(epoch=1)`` was refused."""
     server, ch = ps
     before = state_counters(ch)
     with socket.socket() as closed:  # a bound, not listening port: connections are refused
@@ -140,9 +140,9 @@ def test_rejected_set_backup_leaves_the_epoch_unchanged(ps: Any) -> None:
 
 @pytest.mark.parametrize("bad", ["garbage-optimizer", "extra-state-leaf", "wrong-state-shape", "empty-name"])
 def test_rejected_full_sync_leaves_the_primary_as_it_was(ps: Any, bad: str) -> None:
-    """Found while fixing item 5: a Replicate full sync made the PS a backup (role and epoch set)
-    before its installs were decoded, so a malformed one, refused INVALID_ARGUMENT, still left the
-    PS a backup refusing every client call (NOT_PRIMARY)."""
+    """A malformed Replicate full sync is refused INVALID_ARGUMENT and leaves the primary as it was. It
+    once made the PS a backup (role and epoch set) before its installs were decoded, so a refused one
+    still left the PS a backup refusing every client call (NOT_PRIMARY)."""
     import optax
 
     from jaxdist.proto.ps_wire import optimizer_payload
@@ -170,10 +170,10 @@ def test_rejected_full_sync_leaves_the_primary_as_it_was(ps: Any, bad: str) -> N
     assert ps_variables(ch) == variables  # and it still serves clients (a backup refuses pulls)
 
 
-# ----------------------------------------------------------- item 6: typed statuses
+# ----------------------------------------------------------- typed statuses
 @pytest.mark.parametrize("if_exists", [7, -1])
 def test_create_with_an_unknown_if_exists_is_invalid_argument(ps: Any, if_exists: int) -> None:
-    """Item 6: a CREATE whose ``if_exists`` is not FAIL/KEEP/REPLACE fails INTERNAL (ValueError)."""
+    """A CREATE whose ``if_exists`` is not FAIL/KEEP/REPLACE is INVALID_ARGUMENT (once INTERNAL: a ValueError)."""
     _, ch = ps
     before = ps_variables(ch)
     frames = push_frames([dict(name="x", op=ps_pb2.CREATE, value=(F32, [2]), if_exists=if_exists)], b"\0" * 8)
@@ -187,7 +187,7 @@ HUGE_EMPTY_SHAPES = [[0, 2**62, 2**62], [2**63 - 1, 0]]
 
 @pytest.mark.parametrize("shape", HUGE_EMPTY_SHAPES, ids=str)
 def test_push_of_a_zero_element_shape_with_huge_dims_is_invalid_argument(ps: Any, shape: list[int]) -> None:
-    """Item 6: a pushed value of zero elements but huge dimensions fails INTERNAL ("array is too big")."""
+    """A pushed value of zero elements but huge dimensions is INVALID_ARGUMENT (once INTERNAL: "array is too big")."""
     _, ch = ps
     before = ps_variables(ch)
     a = stream_in(ch, PS + "Push", push_frames([dict(name="v", op=ps_pb2.ASSIGN, value=(F32, shape))]))
@@ -197,8 +197,8 @@ def test_push_of_a_zero_element_shape_with_huge_dims_is_invalid_argument(ps: Any
 
 @pytest.mark.parametrize("shape", HUGE_EMPTY_SHAPES, ids=str)
 def test_pull_with_zero_element_indices_of_huge_dims_is_invalid_argument(ps: Any, shape: list[int]) -> None:
-    """Item 6: Pull with such indices fails UNKNOWN on gRPC ("Exception iterating responses": any
-    exception other than a jaxdist error while a Pull streams)."""
+    """Pull with such indices is INVALID_ARGUMENT (once UNKNOWN on gRPC, "Exception iterating responses":
+    any exception other than a jaxdist error while a Pull streams)."""
     _, ch = ps
     req = ps_pb2.PullRequest()
     e = req.entries.add(name="v", has_indices=True)
@@ -210,7 +210,7 @@ def test_pull_with_zero_element_indices_of_huge_dims_is_invalid_argument(ps: Any
 
 @pytest.mark.parametrize("file_name", [".", "..", "a\0b", "x" * 10240], ids=["dot", "dotdot", "nul", "10KB"])
 def test_save_with_a_bad_file_name_is_invalid_argument(ps: Any, tmp_path: Any, file_name: str) -> None:
-    """Item 6: Save with file_name ".", "..", a NUL or 10 KB fails INTERNAL; nothing is written."""
+    """Save with file_name ".", "..", a NUL or 10 KB is INVALID_ARGUMENT (once INTERNAL); nothing is written."""
     _, ch = ps
     directory = tmp_path / "ckpt"
     a = unary(ch, PS + "Save", ps_pb2.SaveRequest(directory=str(directory), file_name=file_name))
@@ -219,7 +219,7 @@ def test_save_with_a_bad_file_name_is_invalid_argument(ps: Any, tmp_path: Any, f
 
 
 def test_save_into_a_directory_that_is_a_file_is_invalid_argument(ps: Any, tmp_path: Any) -> None:
-    """Item 6: Save with a ``directory`` that is a file fails INTERNAL (FileExistsError)."""
+    """Save with a ``directory`` that is a file is INVALID_ARGUMENT (once INTERNAL: a FileExistsError)."""
     _, ch = ps
     afile = tmp_path / "afile"
     afile.write_bytes(b"not a directory")
@@ -230,7 +230,7 @@ def test_save_into_a_directory_that_is_a_file_is_invalid_argument(ps: Any, tmp_p
 
 @pytest.mark.parametrize("case", ["unknown-variable", "wrong-shape", "wrong-dtype"])
 def test_rejected_pushes_are_not_counted(ps: Any, case: str) -> None:
-    """Item 6: rejected pushes are counted in ``pushes`` / ``bytes_pushed`` (GetStatus, metrics)."""
+    """Rejected pushes are not counted in ``pushes`` / ``bytes_pushed`` (GetStatus, metrics), as they once were."""
     _, ch = ps
     entry = {"unknown-variable": dict(name="nope", op=ps_pb2.ASSIGN, value=(F32, [4])),
              "wrong-shape": dict(name="v", op=ps_pb2.ASSIGN, value=(F32, [2, 2])),
@@ -242,7 +242,7 @@ def test_rejected_pushes_are_not_counted(ps: Any, case: str) -> None:
     assert not changed, f"a rejected push ({case}) changed the counters: {changed}"
 
 
-# ------------------------------------------------------------ item 6: worker Configure
+# ------------------------------------------------------------ worker Configure
 @pytest.fixture
 def worker() -> Iterator[tuple[WorkerServer, grpc.Channel]]:
     """A configured worker (in this process) and a raw channel to it."""
@@ -261,8 +261,9 @@ DEEP = '{"ps": ' + "[" * 100_000 + "]" * 100_000 + "}"
 @pytest.mark.parametrize("cluster_json", ['{"ps": [1]}', '{"ps": [null]}', '{"ps": [["h:1"]]}', DEEP],
                          ids=["int", "null", "nested-list", "deeply-nested"])
 def test_configure_with_a_malformed_cluster_is_invalid_argument(worker: Any, cluster_json: str) -> None:
-    """Item 6: worker Configure with ``{"ps": [1]}``, ``[null]``, ``[["h:1"]]`` or deeply nested
-    JSON (RecursionError) fails INTERNAL; the worker keeps its configuration and keeps serving."""
+    """Worker Configure with ``{"ps": [1]}``, ``[null]``, ``[["h:1"]]`` or deeply nested JSON is
+    INVALID_ARGUMENT (once INTERNAL, a RecursionError for the last); the worker keeps its
+    configuration and keeps serving."""
     w, ch = worker
     hb = unary(ch, WORKER + "Heartbeat", common_pb2.Empty())
     a = unary(ch, WORKER + "Configure", worker_pb2.ConfigureRequest(cluster_json=cluster_json, worker_index=0,
@@ -273,7 +274,7 @@ def test_configure_with_a_malformed_cluster_is_invalid_argument(worker: Any, clu
     assert common_pb2.TaskStatus.FromString(after.response).incarnation == common_pb2.TaskStatus.FromString(hb.response).incarnation
 
 
-# ------------------------------------------------------------ item 7: RegisterWorker
+# ------------------------------------------------------------ RegisterWorker
 @pytest.fixture
 def coordinator(ps_server: ParameterServer) -> Iterator[tuple[Any, grpc.Channel, str]]:
     """A ClusterCoordinator (one PS, one worker, in this process) serving registration; a raw channel
@@ -314,8 +315,9 @@ BAD_ADDRESSES = {
 
 @pytest.mark.parametrize("kind", list(BAD_ADDRESSES))
 def test_register_worker_refuses_addresses_that_are_not_a_worker(coordinator: Any, kind: str) -> None:
-    """Item 7: RegisterWorker accepts any address (empty, NUL, 10 KB, ``unix:``, the coordinator's
-    own) and starts threads retrying it until it is deregistered."""
+    """RegisterWorker refuses (INVALID_ARGUMENT) an address that is not a worker's (empty, NUL, 10 KB,
+    ``unix:``, the coordinator's own), adding no worker and no thread: it once accepted any address
+    and started threads retrying it until it was deregistered."""
     coord, ch, own = coordinator
     address = BAD_ADDRESSES[kind]
     if address is None:
@@ -328,8 +330,8 @@ def test_register_worker_refuses_addresses_that_are_not_a_worker(coordinator: An
 
 
 def test_registrations_of_unreachable_workers_are_capped(coordinator: Any) -> None:
-    """Item 7: each registration keeps ~3 threads retrying its address until deregistered, without a
-    cap. 100 registrations of addresses where nothing listens must not cost the coordinator more than
+    """Registrations of unreachable workers are capped (each once kept ~3 threads retrying its address
+    until deregistered, without a cap): 100 registrations of addresses where nothing listens must not cost the coordinator more than
     64 threads (a cap on pending registrations, or no threads for a worker that never answered);
     every registration is answered OK or with a typed refusal."""
     coord, ch, _ = coordinator

@@ -1,4 +1,4 @@
-"""Issue 19, items 1 and 2 and the must-show: no caller, with or without the token, can starve a task.
+"""No caller, with or without the token, can starve a task of its threads.
 
 Real ``jaxdist ps`` / ``jaxdist worker`` processes, with metrics on (``--metrics-port 0``) as
 LocalCluster runs them. A probe channel is connected before the hostile calls open, then
@@ -6,8 +6,8 @@ health checks, GetStatus (PS) and Heartbeat (worker) must keep answering within 
 
 No race decides the outcome: the hostile calls are started before the probes (the first 16 on
 the probe's own connection; a gRPC server hands each call to its 16-thread pool when the call
-arrives), and the probes go on for 3 s (5 s under the must-show load); today they queue behind
-16 held threads within the first round or two.
+arrives), and the probes go on for 3 s (5 s under the full hostile load); without the admission
+gate they queue behind 16 held threads within the first round or two.
 """
 
 from __future__ import annotations
@@ -88,11 +88,11 @@ def probe_channel() -> Iterator[Any]:
         ch.close()
 
 
-# ---------------------------------------------------------------------------- item 1
+# ---------------------------------------------------------------------------- token-less streams
 @pytest.mark.parametrize("role", ["ps", "worker"])
 def test_tokenless_health_watch_streams_do_not_starve_a_task_with_metrics(role: str, log_dir: str, probe_channel: Any) -> None:
-    """Item 1: with metrics on, 16 token-less Health/Watch streams leave GetStatus, Heartbeat and
-    health Check unanswered (DEADLINE_EXCEEDED) while they stay open."""
+    """With metrics on, 16 token-less Health/Watch streams do not leave GetStatus, Heartbeat and
+    health Check unanswered (DEADLINE_EXCEEDED, as they once did) while they stay open."""
     with task_process(role, log_dir, metrics=True) as task:
         ch = probe_channel(task, role)
         watches = Watches()
@@ -106,12 +106,12 @@ def test_tokenless_health_watch_streams_do_not_starve_a_task_with_metrics(role: 
             watches.close()
 
 
-# ---------------------------------------------------------------------------- item 2
+# ---------------------------------------------------------------------------- stalled requests
 @pytest.mark.parametrize("metrics", [False, True], ids=["no-metrics", "metrics"])
 def test_stalled_push_streams_of_a_token_holder_do_not_block_health_checks(metrics: bool, log_dir: str, probe_channel: Any) -> None:
-    """Item 2: 16 Push streams that stop after their header (no deadline) block every other gRPC
-    call, health checks included; a stalled request must not take the server's ability to answer
-    health checks and GetStatus."""
+    """16 Push streams that stop after their header (no deadline) do not block other gRPC calls (they
+    once blocked every one, health checks included): a stalled request must not take the server's
+    ability to answer health checks and GetStatus."""
     with task_process("ps", log_dir, metrics=metrics) as task:
         ch = probe_channel(task, "ps")
         stalled = Stalled()
@@ -133,10 +133,10 @@ def test_stalled_push_streams_of_a_token_holder_do_not_block_health_checks(metri
     ("worker", HEALTH + "Check"),
 ])
 def test_tokenless_stalled_unary_requests_do_not_starve_a_task_without_metrics(role: str, path: str, log_dir: str, probe_channel: Any) -> None:
-    """Found beside item 1, without metrics: a token-less caller that opens 16 unary calls and
-    never finishes their request message holds all 16 server threads (gRPC reads a unary request
+    """Without metrics: a token-less caller that opens 16 unary calls and never finishes their request
+    message does not starve the task. It once held all 16 server threads (gRPC reads a unary request
     in a pool thread, before the auth check answers UNAUTHENTICATED; health Check needs no token at
-    all), and the task answers nothing else, health checks included."""
+    all), and the task answered nothing else, health checks included."""
     with task_process(role, log_dir, metrics=False) as task:
         ch = probe_channel(task, role)
         stalled = Stalled()
@@ -149,7 +149,7 @@ def test_tokenless_stalled_unary_requests_do_not_starve_a_task_without_metrics(r
             stalled.close()
 
 
-# ------------------------------------------------------------------------- must show
+# ------------------------------------------------------------------------- everything at once
 def _hostile_load(task: Task, role: str, probe: grpc.Channel, stalled: Stalled, watches: Watches, idle: list[Any]) -> None:
     """64 stalled streams and 64 idle connections from token holders, 64 token-less Watch streams
     (the first 16 stalls and 16 watches on the probe's own connection)."""
@@ -181,8 +181,8 @@ def _hostile_load(task: Task, role: str, probe: grpc.Channel, stalled: Stalled, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["ps", "worker"])
-def test_must_show_health_and_heartbeats_answer_within_1s_under_hostile_load(role: str, log_dir: str, probe_channel: Any) -> None:
-    """Must show: health checks and heartbeats keep answering within 1 s while 64 stalled streams
+def test_health_and_heartbeats_answer_within_1s_under_hostile_load(role: str, log_dir: str, probe_channel: Any) -> None:
+    """Health checks and heartbeats keep answering within 1 s while 64 stalled streams
     and 64 idle connections from token holders and 64 token-less Watch streams are open (metrics on)."""
     with task_process(role, log_dir, metrics=True) as task:
         ch = probe_channel(task, role)

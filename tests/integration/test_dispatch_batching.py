@@ -1,5 +1,5 @@
 """How the dispatcher sizes RunClosures batches: a fair share of the queue, except closures that
-workers measured as short, which go ``closures_per_rpc`` at a time (issue 18)."""
+workers measured as short, which go ``closures_per_rpc`` at a time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 import jaxdist
 from jaxdist.cluster_coordinator.dispatch import BATCH_RUN_S
-from jaxdist.testing import InProcessCluster
+from jaxdist.testing import InProcessCluster, poll_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -58,10 +58,17 @@ def test_short_closures_go_closures_per_rpc_at_a_time(env: jaxdist.ClusterCoordi
     for _ in range(20):  # workers report how long noop takes
         coord.schedule(noop)
     coord.join()
-    # 4 queued for 4 idle workers: the fair share is 1 each; noop is known to be short (a no-op
-    # runs in microseconds, far under BATCH_RUN_S / CAP), so one worker takes all 4 in one call.
-    calls, _ = _calls_for(coord, noop, CAP)
-    assert calls == 1
+
+    def one_call_for_cap() -> bool:
+        # 4 queued for 4 idle workers: the fair share is 1 each; noop is known to be short (a no-op
+        # runs in microseconds, far under BATCH_RUN_S / CAP), so one worker takes all 4 in one call.
+        # The estimate is what workers measured, though: on a loaded machine (these workers share
+        # this process's GIL) a no-op can measure a few ms and the batching waits for calmer figures;
+        # each round adds measurements.
+        calls, _ = _calls_for(coord, noop, CAP)
+        return calls == 1
+
+    poll_for(one_call_for_cap, 60, what=f"{CAP} queued no-op closures to go to one worker in one call")
 
 
 def test_long_closures_still_spread_out(env: jaxdist.ClusterCoordinator) -> None:

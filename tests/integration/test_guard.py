@@ -150,7 +150,7 @@ def test_every_client_uses_the_base_and_maps_errors_nowhere_else() -> None:
 @pytest.mark.parametrize("case", ["not_found", "bug"])
 @pytest.mark.parametrize("after_frames", [0, 2])
 def test_a_streamed_response_that_fails_gets_its_typed_status(case: str, after_frames: int) -> None:
-    """Issue 19: an exception while a server stream (Pull) is being sent, before its first frame or
+    """An exception while a server stream (Pull) is being sent, before its first frame or
     after some, is answered with its typed status (INTERNAL for a bug), never gRPC's UNKNOWN
     "Exception iterating responses"."""
     from jaxdist.transport.handlers import stream_out_handler

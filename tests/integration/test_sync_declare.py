@@ -369,7 +369,7 @@ def declaration_under_run_steps_and_run_epoch() -> None:
 
 @check
 def the_original_trap_is_loud() -> None:
-    """Issue 15's trap: a functional loop that forgets the all-reduce and feeds the params back in."""
+    """The trap the declaration exists for: a functional loop that forgets the all-reduce and feeds the params back in."""
     import numpy as np
     import optax
 

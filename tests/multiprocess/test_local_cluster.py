@@ -78,7 +78,7 @@ def test_nothing_left_when_coordinator_script_crashes(tmp_path) -> None:  # type
 
 def test_kill_restart_partition() -> None:
     from jaxdist import LocalCluster
-    from jaxdist.transport import rpc
+    from jaxdist.transport.channel import wait_healthy
 
     with LocalCluster(num_workers=1, num_ps=1) as c:
         addr = c.cluster_spec.task_address("worker", 0)
@@ -88,11 +88,18 @@ def test_kill_restart_partition() -> None:
         c.restart("worker:0")
         assert c.is_running("worker:0") and c.pid("worker:0") != old
         assert c.cluster_spec.task_address("worker", 0) == addr
-        rpc.wait_healthy(addr, 10)
+        wait_healthy(addr, 10)
         c.partition("ps:0", 1.5)
         with pytest.raises(TimeoutError):
-            rpc.wait_healthy(c.cluster_spec.task_address("ps", 0), 0.5)
-        rpc.wait_healthy(c.cluster_spec.task_address("ps", 0), 10)
+            wait_healthy(c.cluster_spec.task_address("ps", 0), 0.5)
+        wait_healthy(c.cluster_spec.task_address("ps", 0), 10)
+        # chaos() kills and restarts workers on its own timer (the tests drive theirs by events:
+        # tests/kill_points.py); once stopped, every worker runs again.
+        before = c.pid("worker:0")
+        with c.chaos(every=0.2, downtime=0.1, seed=1) as chaos:
+            poll_for(lambda: chaos.kills >= 2, 60, what="two kills by chaos()")
+        assert c.is_running("worker:0") and c.pid("worker:0") != before
+        wait_healthy(addr, 10)
 
 
 def test_launch_runs_a_coordinator_script(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -127,7 +134,7 @@ def test_task_command_reads_tf_config(tmp_path) -> None:  # type: ignore[no-unty
     import socket
 
     from jaxdist.ps_server.client import PSClient
-    from jaxdist.transport import rpc
+    from jaxdist.transport.channel import wait_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,7 +145,7 @@ def test_task_command_reads_tf_config(tmp_path) -> None:  # type: ignore[no-unty
     proc = subprocess.Popen([sys.executable, "-m", "jaxdist.tools.cli", "task", "--host", "127.0.0.1"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        rpc.wait_healthy(f"127.0.0.1:{port}", 60)
+        wait_healthy(f"127.0.0.1:{port}", 60)
         c = PSClient(f"127.0.0.1:{port}", Credentials("tok"))
         assert c.status().role == "ps"
         c.shutdown("job finished", 0)

@@ -4,6 +4,8 @@ every closure's gradient lands in exactly one step on both PS shards alike."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import numpy as np
@@ -79,11 +81,13 @@ def test_frozen_worker_is_dropped_after_the_failure_timeout() -> None:
         strategy, coord, ids, counter, step = _setup(cluster, n)
         rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
         poll_for(lambda: sum(rv.done() for rv in rvs) > 20, 60, what="training to start")
-        cluster.partition("worker:1", seconds=6.0)  # frozen mid-step: its step waits, then drops it
+        # Frozen mid-step (until the test thaws it, below): its step waits, then drops it.
+        cluster.partition("worker:1", seconds=3600.0)
         poll_for(lambda: not coord.status()[1]["healthy"], 20, what="worker:1 declared failed after the timeout")
         done = sum(rv.done() for rv in rvs)
         poll_for(lambda: sum(rv.done() for rv in rvs) > done + 10, 60, what="steps going on without worker:1")
-        coord.join()  # it thaws, is fenced (its late push is refused), rejoins
+        os.kill(cluster.pid("worker:1"), signal.SIGCONT)  # it thaws while steps go on
+        coord.join()  # it is fenced (its late push is refused), rejoins
         assert all(isinstance(rv.fetch(), int) for rv in rvs)
         _check_exactly_once(coord, ids, counter, n)
         coord.shutdown()

@@ -1,7 +1,7 @@
-"""A simulated big cluster (issue 18): worker host processes of many worker services each.
+"""A simulated big cluster: worker host processes of many worker services each.
 
 The slowest test runs 200 workers as 2 host processes of 100 and SIGKILLs one of them while each of
-its workers holds a closure: the issue's bounds (all 100 declared failed, and their closures re-run
+its workers holds a closure: the failure bound (all 100 declared failed, and their closures re-run
 elsewhere, within 5 s of the kill) and an exact counter over 2,000 closures; then the other one,
 its workers idle (detected by liveness checks alone), within the same bound.
 """
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.multiprocess]
 
 #: Workers on other machines would talk TCP to the PS; 100 regions of 4 MB per host would not simulate anything.
 HOST_ENV = {"JAXDIST_SHM": "0"}
-#: The issue's bound: a 100-worker process SIGKILLed is detected and its closures re-run within this.
+#: The failure bound: a 100-worker process SIGKILLed is detected and its closures re-run within this.
 FAILURE_BOUND_S = 5.0
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

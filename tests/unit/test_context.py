@@ -1,4 +1,4 @@
-"""The task context's push identities in threads a closure starts (issue 19, item 8), without sockets.
+"""The task context's push identities in threads a closure starts, without sockets.
 
 Each test runs "closure attempts" the way the worker service does (``use(ctx.for_closure(prefix))``)
 and records the update ids their pushes would carry.

@@ -139,7 +139,7 @@ def test_unknown_persistent_ids_are_refused() -> None:
 
 # ------------------------------------------------------ steps_per_execution x ledger
 def test_steps_per_execution_closures_get_one_position_per_step() -> None:
-    """Issue 19 item 8: ``steps_per_execution(fn, k)`` with an exactly-once iterator takes k positions per
+    """``steps_per_execution(fn, k)`` with an exactly-once iterator takes k positions per
     closure (fewer at the end of the data); a failed closure gives all of them back, in order."""
     from jaxdist.cluster_coordinator.datasets import steps_per_execution
 

@@ -135,8 +135,8 @@ def test_no_layer_imports_a_higher_one() -> None:
         ("jaxdist.worker.context", "import jaxdist.cluster_coordinator\n"),
         ("jaxdist.ps_server.store", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from jaxdist.sync import MirroredStrategy\n"),
         ("jaxdist.ps_server.client", "from jaxdist.worker.client import WorkerClient\n"),
-        ("jaxdist.transport.rpc", "from jaxdist.base.monitoring import MetricsExporter\n"),
-        ("jaxdist.proto.codec", "from jaxdist.transport import rpc\n"),
+        ("jaxdist.transport.server", "from jaxdist.base.monitoring import MetricsExporter\n"),
+        ("jaxdist.proto.codec", "from jaxdist.transport import channel\n"),
         ("jaxdist.base.errors", "from jaxdist.proto import status\n"),
     ],
 )

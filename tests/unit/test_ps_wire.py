@@ -244,7 +244,7 @@ def test_apply_gradient_and_apply_gradients_send_the_same_bytes(sharded: bool, g
     assert codec.canonical_dtype(grad_dtype) == grad_dtype
 
 
-# ------------------------------------------------------------------ hostile input (issue 19)
+# ------------------------------------------------------------------ hostile input
 def _restore_request(shape: tuple[int, ...], pieces: list[tuple[int, int, int]], name: str = "v") -> ps_pb2.RestoreRequest:
     req = ps_pb2.RestoreRequest(directory="/ckpt")
     e = req.entries.add(name=name)

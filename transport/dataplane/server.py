@@ -1,6 +1,6 @@
 """The data plane's server: a listening socket and one thread per connection, calls answered through the guard.
 
-Connection budgets (issue 19, item 3). A connection is *pending* from accept until
+Connection budgets. A connection is *pending* from accept until
 its hello is done and *authenticated* after:
 
 - Pending connections have a budget of their own (:data:`DEFAULT_MAX_PENDING`) and

@@ -19,7 +19,7 @@ A region comes in one of two kinds, offered best first:
   that share ``/dev/shm`` but not a PID namespace (or where ``memfd`` is
   missing). A tmpfs file cannot be sealed and a same-user peer can truncate it
   after ShmAttach; through a mapping the next access would be SIGBUS and kill
-  the server (issue 19, item 9). So the server never maps a named region: it
+  the server. So the server never maps a named region: it
   keeps the file descriptor and copies with ``preadv``/``pwrite``
   (:class:`PeerRegion`), and a truncated file is a short read, which ends that
   one connection.
