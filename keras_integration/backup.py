@@ -57,6 +57,7 @@ import numpy as np
 import keras
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.files import AtomicFile
 from jaxdist.checkpoint import Checkpoint
 from jaxdist.keras import compat
 from jaxdist.keras.distribution import StrategyDistribution
@@ -140,17 +141,11 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
         else:
             model.save_weights(os.path.join(directory, f"{stem}.weights.h5"), overwrite=True)
         metrics = {f"m{i}": np.asarray(v.value) for i, v in enumerate(model.metrics_variables)}
-        with open(os.path.join(directory, f"{stem}.metrics.npz"), "wb") as f:
+        with AtomicFile(os.path.join(directory, f"{stem}.metrics.npz")) as f:
             np.savez(f, **metrics)  # type: ignore[arg-type]
-            f.flush()
-            os.fsync(f.fileno())
         record = {"serial": self._serial, "stem": stem, "epoch": self._epoch, "batch": self._batches_done}
-        tmp = os.path.join(directory, f"{_LATEST}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, _LATEST))  # the backup exists from here on
+        with AtomicFile(os.path.join(directory, _LATEST), text=True) as f:
+            json.dump(record, f)  # the backup exists once this file is in place
         for name in os.listdir(directory):
             if name.startswith("backup-") and not name.startswith(f"{stem}."):
                 old = os.path.join(directory, name)

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.files import AtomicFile
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.optimizer import Optimizer
 from jaxdist.sync.strategy import Strategy
@@ -184,11 +185,8 @@ def save(ckpt: Any, path: str) -> str:
                 "ledger": None,
                 "metadata": ckpt.metadata,
             }
-            with open(os.path.join(tmp, MANIFEST + ".tmp"), "w") as f:
+            with AtomicFile(os.path.join(tmp, MANIFEST), text=True) as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
             os.replace(tmp, path)
             logger.info("saved %s (%.1f MB in %.2fs)", path, nbytes / 2**20, time.perf_counter() - t0)
         except BaseException as e:  # noqa: BLE001 - reported to every process below, then re-raised

@@ -16,7 +16,7 @@ not answered for ``peer_timeout_s``. Either way the process calls its
 ``on_failure`` callback with a :class:`PeerFailedError`.
 
 Messages are JSON objects carried over raw-bytes gRPC unary calls
-(:func:`jaxdist.transport.rpc.unary_handler`); each RPC's request and response
+(:func:`jaxdist.transport.handlers.unary_handler`); each RPC's request and response
 fields are the ``TypedDict``s below. Errors travel as gRPC statuses mapped by
 :mod:`jaxdist.proto.status`.
 
@@ -37,7 +37,8 @@ from typing import Any, TypedDict
 import grpc
 
 from jaxdist.base import errors as E
-from jaxdist.transport import rpc
+from jaxdist.transport.handlers import unary_handler
+from jaxdist.transport.server import Server
 from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.credentials import Credentials
 
@@ -358,26 +359,26 @@ class CoordinationService:
         self.state = state
         self._on_failure = on_failure
         self._check_interval = check_interval_s
-        self._server = rpc.Server(host, port, credentials, insecure=insecure, max_workers=8)
+        self._server = Server(host, port, credentials, insecure=insecure, max_workers=8)
         self._server.add_service(
             SERVICE,
             {
-                "Register": rpc.unary_handler(
+                "Register": unary_handler(
                     "Register",
                     _parser({"rank": int, "task": str, "incarnation": str}),
                     lambda r, ctx: _Json(state.register(r["rank"], r["task"], r["incarnation"])),
                 ),
-                "WaitAll": rpc.unary_handler(
+                "WaitAll": unary_handler(
                     "WaitAll",
                     _parser({"rank": int, "timeout_s": (int, float)}),
                     lambda r, ctx: _Json(state.wait_all(min(float(r["timeout_s"]), _WAIT_POLL_S))),
                 ),
-                "Heartbeat": rpc.unary_handler(
+                "Heartbeat": unary_handler(
                     "Heartbeat",
                     _parser({"rank": int, "incarnation": str}),
                     lambda r, ctx: _Json(state.heartbeat(r["rank"], r["incarnation"])),
                 ),
-                "Leave": rpc.unary_handler("Leave", _parser({"rank": int}), self._leave),
+                "Leave": unary_handler("Leave", _parser({"rank": int}), self._leave),
             },
             # Heartbeats on their own thread lane: ranks blocked in WaitAll never delay them.
             liveness=("Heartbeat",),

@@ -50,7 +50,7 @@ from jaxdist.sync.coordination import (
     RegisterResponse,
 )
 from jaxdist.sync.peer_watch import PeerWatch
-from jaxdist.transport.rpc import is_loopback
+from jaxdist.transport.channel import is_loopback
 
 logger = logging.getLogger(__name__)
 

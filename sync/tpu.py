@@ -120,7 +120,7 @@ def experimental_connect_to_cluster(
     addr = resolver.coordinator_address
     kwargs: dict[str, Any] = {}
     host = addr.rpartition(":")[0]
-    from jaxdist.transport.rpc import is_loopback
+    from jaxdist.transport.channel import is_loopback
 
     if pid == 0 and is_loopback(host):
         kwargs["coordinator_bind_address"] = addr

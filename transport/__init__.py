@@ -2,8 +2,7 @@
 
 - gRPC: channels (:mod:`~jaxdist.transport.channel`), servers with auth, health
   and metrics (:mod:`~jaxdist.transport.server`), raw-bytes method handlers
-  (:mod:`~jaxdist.transport.handlers`); :mod:`~jaxdist.transport.rpc` re-exports
-  the three for the sync wing's modules that still import through it.
+  (:mod:`~jaxdist.transport.handlers`).
 - :mod:`~jaxdist.transport.admission`: the gRPC server's one gate (auth before
   a call gets a thread, a cap per method, thread lanes), so no caller can
   starve health checks or liveness calls.
