@@ -42,10 +42,11 @@ What counts (one per occurrence):
 Figures (``python tests/unit/test_private_access.py [-v]`` prints them):
 at the start of this rule (commit 13dc916, the sync wing just moved to
 ``sync/``) the library had 196 reaches, 168 in the sync wing (``loops.py``
-alone 64); issue 26 had counted 159 and 132 with ``x._name`` alone. Once the
-strategies had their engine (:mod:`jaxdist.sync.engine`): 25 and 1 (JAX's
-``Tracer._trace``, which has no public equivalent); most of the rest are the
-Keras wing's reaches into Keras.
+alone 64); counting ``x._name`` alone gave 159 and 132. Once the strategies
+had their engine (:mod:`jaxdist.sync.engine`): 25 and 1 (JAX's
+``Tracer._trace``, which has no public equivalent). Once the Keras wing's
+reaches into Keras moved behind :mod:`jaxdist.keras.compat` (13 of them are
+there, the one module allowed to touch Keras internals): 21 and 1.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ FOLDERS = {
 #: The sync wing's reaches must stay below this.
 SYNC_LIMIT = 10
 
-#: The whole library's reaches may not exceed this (the count once the sync wing had its engine).
-#: Lower it when you remove reaches; never raise it to let a new one in.
-LIBRARY_BUDGET = 25
+#: The whole library's reaches may not exceed this (the count once the sync engine and the Keras
+#: fence landed). Lower it when you remove reaches; never raise it to let a new one in.
+LIBRARY_BUDGET = 21
 
 #: ``module.name`` pairs of the standard library that are public despite the underscore.
 _STDLIB_PUBLIC = {("os", "_exit"), ("sys", "_getframe")}
