@@ -28,6 +28,13 @@ tempfile.tempdir = RUN_TMP
 
 TOKEN = "test-token"
 
+#: The docs' local Sphinx extensions (docs/_ext/jaxdist_sphinx), imported by tests/docs. Put on the path
+#: here: a conftest.py of tests/docs would be imported as a second module named ``conftest``, which every
+#: ``from conftest import ...`` of the other folders would then read.
+_DOCS_EXT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "_ext")
+if _DOCS_EXT not in sys.path:
+    sys.path.insert(0, _DOCS_EXT)
+
 import tiers  # noqa: E402  (tests/tiers.py: the fast lane and the lint step)
 from jaxdist.transport.credentials import Credentials  # noqa: E402
 

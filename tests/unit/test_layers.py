@@ -237,3 +237,11 @@ def test_the_bridge_and_the_integration_may_import_it() -> None:
     assert not keras_wing_violations("jaxdist.keras.ps_fit", "from jaxdist.keras.data import Batches\n")
     assert not keras_wing_violations("jaxdist.sync.context", "from jaxdist.sync.hooks import entered_scope_hooks\n")
     assert not keras_wing_violations("jaxdist", "from jaxdist import keras_bridge\n")
+
+
+def test_the_tests_have_one_conftest() -> None:
+    """Test modules say ``from conftest import poll_for``: with pytest's default import mode a second
+    conftest.py (in a subfolder of tests/) is imported under the same name, and those imports read it
+    instead (every hostile, integration and multiprocess module failed to collect)."""
+    found = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("conftest.py"))
+    assert found == ["tests/conftest.py"], found
