@@ -59,18 +59,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Library folder -> the package it is installed as (pyproject's package-dir).
-FOLDERS = {
-    "coordinator": "jaxdist",
-    "sync": "jaxdist.sync",
-    "keras_integration": "jaxdist.keras",
-    "base": "jaxdist.base",
-    "transport": "jaxdist.transport",
-    "proto": "jaxdist.proto",
-    "ps_server": "jaxdist.ps_server",
-    "worker": "jaxdist.worker",
-    "tools": "jaxdist.tools",
-}
+#: Library folder -> the package it is installed as: the layer test's map (pyproject's package-dir).
+from test_layers import FOLDERS  # noqa: E402
 
 #: The sync wing's reaches must stay below this.
 SYNC_LIMIT = 10
