@@ -57,14 +57,19 @@ def test_error_cancels_queued_and_raises_once() -> None:
         running.remote_value.fetch()
 
 
-def test_error_waits_for_running_closures() -> None:
+def _one_failed_one_running() -> ClosureQueue:
+    """A queue where of two closures taken by workers 0 and 1, the first failed (ValueError "x") and the
+    second still runs."""
     q = ClosureQueue()
-    a, b = Closure(noop), Closure(noop)
-    q.put(a)
-    q.put(b)
-    q.take(0)
-    q.take(1)
+    for worker in (0, 1):
+        q.put(Closure(noop))
+        q.take(worker)
     q.mark_failed(ValueError("x"))
+    return q
+
+
+def test_error_waits_for_running_closures() -> None:
+    q = _one_failed_one_running()
     raised = threading.Event()
 
     def joiner() -> None:
@@ -95,13 +100,7 @@ def test_an_error_is_raised_to_exactly_one_of_several_waiting_threads(call: str)
     """TF's contract, "the error is raised once": several threads in join/done while a closure error is
     pending and another closure still runs. One gets the error; every other returns normally. Before, the others
     re-read an error the first had cleared and raised ``None`` (TypeError)."""
-    q = ClosureQueue()
-    a, b = Closure(noop), Closure(noop)
-    q.put(a)
-    q.put(b)
-    q.take(0)
-    q.take(1)
-    q.mark_failed(ValueError("x"))  # a failed; b still runs
+    q = _one_failed_one_running()
     outcomes: list[str] = []
 
     def caller() -> None:
