@@ -89,6 +89,7 @@ from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
     install_data_placement,
 )
+from jaxdist.keras.export import EXPORT_FORMATS, ExportDependencyError, export_model  # noqa: E402
 from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
@@ -106,6 +107,8 @@ __all__ = [
     "BackupAndRestore",
     "Batches",
     "DatasetCreator",
+    "EXPORT_FORMATS",
+    "ExportDependencyError",
     "ModelCheckpoint",
     "PSDistribution",
     "SidecarEvaluator",
@@ -113,6 +116,7 @@ __all__ = [
     "TensorBoard",
     "UnsupportedOptimizerError",
     "distribution_for",
+    "export_model",
     "install_data_placement",
     "keras_scope",
     "ps_variables",

@@ -19,11 +19,14 @@ import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
+
+from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras.compat import DataAdapter, get_jax_iterator, get_numpy_iterator
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Batches", "DatasetCreator", "call_dataset_fn"]
+__all__ = ["Batches", "DatasetCreator", "DatasetCreatorInput", "call_dataset_fn", "creator_arguments", "is_dataset_fn"]
 
 
 class Batches(DataAdapter):
@@ -149,3 +152,96 @@ def call_dataset_fn(dataset_fn: Any, input_context: Any) -> Any:
     except (TypeError, ValueError):
         takes_arg = True
     return dataset_fn(input_context) if takes_arg else dataset_fn()
+
+
+class DatasetCreatorInput(Batches):
+    """What ``fit``/``evaluate``/``predict`` read from a :class:`DatasetCreator` (or a dataset function) under a
+    synchronous strategy or none (TF's ``distribute_datasets_from_function``), made by :func:`creator_arguments`.
+
+    ``dataset_fn(input_context)`` is called once, in this process; its iterable yields *per-replica* batches
+    (batched with ``input_context.get_per_replica_batch_size(global_batch)``, as in TF). Each step takes the
+    next batch for each of this process's replicas, in replica order, and their rows, concatenated, are this
+    process's part of the step's global batch (the processes' parts in process order: under
+    ``MultiWorkerMirroredStrategy`` each process reads its own pipeline). The iterable is iterated again when
+    a pass ends (TF's ``.repeat()``), so the number of steps is the caller's (``steps_per_epoch``, ``steps``).
+
+    Raises:
+        TypeError: a batch is not a tuple ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)``.
+        ConfigurationError: a pass yields no batch (a one-shot iterator already consumed).
+    """
+
+    def __init__(self, dataset_fn: Any, input_context: Any, local_replicas: int) -> None:
+        if local_replicas < 1:
+            raise ValueError(f"local_replicas must be >= 1, got {local_replicas}")
+        self._dataset = call_dataset_fn(dataset_fn, input_context)
+        self._local_replicas = int(local_replicas)
+        self.input_context = input_context
+        self.per_process = input_context.num_input_pipelines > 1
+        self._len = None  # endless: Keras's steps argument says how many steps
+
+    def _passes(self) -> Iterator[Any]:
+        while True:
+            got = False
+            for batch in self._dataset:
+                got = True
+                if not isinstance(batch, tuple):
+                    raise TypeError("DatasetCreator: dataset_fn's batches must be tuples (x,), (x, y) or "
+                                    f"(x, y, sample_weight), as for Keras generators; got {type(batch).__name__}")
+                yield batch
+            if not got:
+                raise ConfigurationError(
+                    "DatasetCreator: dataset_fn's data ran out: return a re-iterable (a list, a sequence, an object "
+                    "whose __iter__ starts a new pass) or an endless iterator")
+
+    def _batches(self) -> Iterator[Any]:
+        import keras
+
+        batches = self._passes()
+        while True:
+            parts = [next(batches) for _ in range(self._local_replicas)]
+            if len(parts) == 1:
+                yield parts[0]
+            else:
+                yield keras.tree.map_structure(lambda *a: None if a[0] is None else np.concatenate(a), *parts)
+
+
+#: The steps argument each entry point needs with a DatasetCreator input (TF's rule), and the arguments the
+#: DatasetCreator's batches carry instead (refused with one).
+_CREATOR_INPUTS: dict[str, tuple[tuple[str, str, tuple[str, ...]], ...]] = {
+    "fit": (("x", "steps_per_epoch", ("y", "sample_weight", "batch_size", "class_weight")),
+            ("validation_data", "validation_steps", ("validation_batch_size",))),
+    "evaluate": (("x", "steps", ("y", "sample_weight", "batch_size")),),
+    "predict": (("x", "steps", ("batch_size",)),),
+}
+
+
+def is_dataset_fn(x: Any) -> bool:
+    """Whether ``x`` is a DatasetCreator or a dataset function (a callable that is not an array or an iterable)."""
+    if isinstance(x, DatasetCreator):
+        return True
+    return callable(x) and not isinstance(x, (DataAdapter, type)) and not hasattr(x, "shape") \
+        and not hasattr(x, "__iter__") and not hasattr(x, "__getitem__")
+
+
+def creator_arguments(name: str, arguments: dict[str, Any], input_context: Any, local_replicas: int) -> dict[str, Any]:
+    """``arguments`` (Keras entry point ``name``'s, bound by name) with each DatasetCreator / dataset function input
+    replaced by its :class:`DatasetCreatorInput`; ``arguments`` itself when there is none.
+
+    Raises:
+        ValueError: the steps argument is missing (the input is endless), or an argument the batches carry
+            (``y``, ``batch_size``, ...) is given too.
+    """
+    changed = dict(arguments)
+    for key, steps, carried in _CREATOR_INPUTS.get(name, ()):
+        value = arguments.get(key)
+        if not is_dataset_fn(value):
+            continue
+        if arguments.get(steps) is None:
+            raise ValueError(f"{name}({key}=DatasetCreator) needs {steps}= (TF's rule: the dataset repeats, so "
+                             "the number of steps is yours)")
+        given = [c for c in carried if arguments.get(c) is not None]
+        if given:
+            raise ValueError(f"{name}({key}=DatasetCreator) does not take {', '.join(given)}: dataset_fn's batches "
+                             "carry the targets and sample weights, and are batched per replica by dataset_fn")
+        changed[key] = DatasetCreatorInput(value, input_context, local_replicas)
+    return changed

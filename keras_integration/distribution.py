@@ -51,8 +51,9 @@ import keras
 from keras.distribution import DataParallel, DeviceMesh, TensorLayout
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.input_context import InputContext
 from jaxdist.keras import compat
-from jaxdist.keras.data import Batches
+from jaxdist.keras.data import Batches, creator_arguments, is_dataset_fn
 
 logger = logging.getLogger(__name__)
 
@@ -391,11 +392,42 @@ def _under_model_distribution(method: Any, on_batch: bool) -> Any:
             dist = model_distribution(self)
             if dist is not None:
                 refuse_multi_process(dist, args, kwargs)
+                args, kwargs = _dataset_creator_input(signature, method.__name__, args, kwargs, dist)
                 with dist.scope():
                     return method(self, *args, **kwargs)
         elif isinstance(current, StrategyDistribution):
             _check_model_devices(self, current)
             refuse_multi_process(current, args, kwargs)
+        if current is None or isinstance(current, StrategyDistribution):
+            args, kwargs = _dataset_creator_input(signature, method.__name__, args, kwargs, current)
         return method(self, *args, **kwargs)
 
     return run
+
+
+def _dataset_creator_input(signature: inspect.Signature, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           dist: StrategyDistribution | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args``/``kwargs`` of Keras entry point ``name`` with DatasetCreator inputs made readable by Keras
+    (:func:`jaxdist.keras.data.creator_arguments`), for ``dist``'s replicas (None: one replica, one process)."""
+    try:
+        bound = signature.bind_partial(None, *args, **kwargs)
+    except TypeError:
+        return args, kwargs  # Keras itself reports the bad call
+    arguments = dict(bound.arguments)
+    if not any(is_dataset_fn(v) for v in arguments.values()):
+        return args, kwargs
+    if dist is None:
+        context, local = InputContext(1, 0, 1), 1
+    else:
+        devices = list(np.asarray(dist.device_mesh.devices).ravel())
+        processes = sorted({d.process_index for d in devices})
+        me = jax.process_index()
+        # One input pipeline per process (TF's distribute_datasets_from_function), in process order.
+        context = InputContext(len(processes), processes.index(me), len(devices))
+        local = sum(1 for d in devices if d.process_index == me)
+    changed = creator_arguments(name, arguments, context, local)
+    changed.pop(next(iter(signature.parameters)))  # self (bound to None above)
+    for p in signature.parameters.values():
+        if p.kind is inspect.Parameter.VAR_KEYWORD:  # evaluate's **kwargs, bound as one dict
+            changed.update(changed.pop(p.name, {}))
+    return (), changed

@@ -40,7 +40,7 @@ from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "ps_model", "ps_strategy_of", "ps_variables"]
+__all__ = ["PSDistribution", "PSModel", "ps_model", "ps_strategy_of", "ps_variables", "sync_from_ps"]
 
 _lock = threading.Lock()
 #: Keras variables created in a PSDistribution's scope -> that distribution (by id; weak values).
@@ -191,3 +191,17 @@ def ps_variables(model: Any) -> list[Any]:
         raise ConfigurationError("this Keras model has no variables on parameter servers (yet): build and compile it "
                                  "in ParameterServerStrategy.scope(), then fit or evaluate it")
     return list(got.trainable)
+
+
+def sync_from_ps(model: Any) -> bool:
+    """Copy the PS's current values into ``model``'s Keras variables when its state lives on the PS.
+
+    Returns True when it did; False when ``model`` has no PS state (not built in a ParameterServerStrategy's
+    scope, or never fitted or evaluated there: its Keras variables are then the only copy).
+    """
+    with _lock:
+        got = _models.get(model)
+    if got is None:
+        return False
+    got.sync()
+    return True
