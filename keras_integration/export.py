@@ -117,10 +117,11 @@ def export_model(model: Any, path: str | os.PathLike[str], format: str = "keras"
         raise ValueError("export_model(input_signature=...) does not apply to format='keras' (the file keeps the "
                          "model's own structure)")
     path = Path(path)
+    writes = jax.process_index() == 0  # in a multi-process job process 0 writes (the others may see its files)
     if format == "keras":
         if path.suffix != ".keras":
             raise ValueError(f"export_model(format='keras'): the path must end in .keras (Keras's rule), got {path}")
-    elif path.exists() and (not path.is_dir() or any(path.iterdir())):
+    elif writes and path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise ValueError(f"export_model(format={format!r}): {path} exists and is not an empty directory")
     if format == "tf_saved_model" and importlib.util.find_spec("tensorflow") is None:
         raise ExportDependencyError(
@@ -136,7 +137,6 @@ def export_model(model: Any, path: str | os.PathLike[str], format: str = "keras"
     elif ps_strategy_of(model) is not None:
         logger.info("export_model: %s was built under ParameterServerStrategy but never fitted there: exporting its "
                     "initial weights", model.name)
-    writes = jax.process_index() == 0
     with _no_distribution():
         if format == "keras":
             if ps_strategy_of(model) is not None:

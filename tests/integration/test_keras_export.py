@@ -318,7 +318,7 @@ class _PerReplica:
 
 
 def _creator_equals_batches(strategy: Any) -> None:
-    """fit/evaluate(DatasetCreator) give what the same global batches passed directly give."""
+    """fit/evaluate/predict(DatasetCreator) give what the same global batches passed directly give."""
     import keras
     import numpy as np
 
@@ -347,8 +347,10 @@ def _creator_equals_batches(strategy: Any) -> None:
         np.testing.assert_allclose(hist_a.history[k], hist_b.history[k], atol=ATOL, err_msg=k)
     for k in eval_b:
         assert abs(eval_a[k] - eval_b[k]) < ATOL, (k, eval_a, eval_b)
+    np.testing.assert_allclose(a.predict(jaxdist.keras.DatasetCreator(val), steps=2, verbose=0),
+                               a.predict(xv, batch_size=32, verbose=0), atol=ATOL)
     ctx = jaxdist.InputContext(1, 0, r)
-    assert train.contexts == [ctx] and val.contexts == [ctx, ctx], (train.contexts, val.contexts)
+    assert train.contexts == [ctx] and val.contexts == [ctx] * 3, (train.contexts, val.contexts)
 
 
 @check

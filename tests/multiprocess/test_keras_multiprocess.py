@@ -100,6 +100,33 @@ def _child(mode: str, out: str) -> None:
     reloaded.load_weights(os.path.join(ckpt_dir, f"{mode}-2.weights.h5"))
     result["checkpoint_is_final"] = all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
                                         zip(reloaded.get_weights(), per_process_model.get_weights(), strict=True))
+    # 4. DatasetCreator (TF's distribute_datasets_from_function input): one pipeline per process, per-replica
+    # batches; each process's pipeline holds its half of every global batch, so the steps see the reference's
+    # global batches. Then the trained model is exported from every process (process 0 writes).
+    contexts: list[Any] = []
+
+    def dataset_fn(ctx: Any) -> Any:
+        contexts.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        part = GLOBAL_BATCH // ctx.num_input_pipelines
+        rows = np.concatenate([np.arange(g + part * ctx.input_pipeline_id, g + part * (ctx.input_pipeline_id + 1))
+                               for g in range(0, 96, GLOBAL_BATCH)])
+        b = ctx.get_per_replica_batch_size(GLOBAL_BATCH)
+        return [(x[rows[i:i + b]], y[rows[i:i + b]]) for i in range(0, len(rows), b)]
+
+    keras.utils.set_random_seed(13)
+    with scope():
+        creator_model = build()
+    creator_model.fit(jaxdist.keras.DatasetCreator(dataset_fn), steps_per_epoch=3, epochs=2, verbose=0)
+    export_dir = os.path.join(os.path.dirname(out), f"export-{mode}")
+    artifact = jaxdist.keras.export_model(creator_model, export_dir, format="jax")
+    if strategy is not None:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("exported")  # process 0 has written the artifact
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    exported = jax.export.deserialize(bytearray((artifact / manifest["exported_file"]).read_bytes()))
+    with np.load(artifact / manifest["weights_file"]) as npz:
+        export_pred = np.asarray(exported.call([npz[w["key"]] for w in manifest["weights"]], x))
     if strategy is not None:
         try:
             model.train_on_batch(x[:32], y[:32])
@@ -119,6 +146,9 @@ def _child(mode: str, out: str) -> None:
         predict=np.asarray(pred),
         per_process_weights=np.concatenate([np.ravel(w) for w in per_process_model.get_weights()]),
         per_process_evaluate=json.dumps({k: float(v) for k, v in per_process_eval.items()}),
+        creator_weights=np.concatenate([np.ravel(w) for w in creator_model.get_weights()]),
+        creator_contexts=np.array(contexts),
+        export_pred=export_pred,
     )
     print("KERAS_DONE", flush=True)
     if strategy is not None:
@@ -156,7 +186,10 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
     """2 processes x 4 devices: the same weights, history, evaluate and predict as Keras on one device
     (float32 tolerance), every process feeding the same arrays (TF's DATA policy), short last batches included;
     without a seed the processes still start from the same weights; each process feeding only its part of each
-    global batch (TF's FILE policy, Batches(per_process=True)) trains and evaluates as the global batches do."""
+    global batch (TF's FILE policy, Batches(per_process=True)) trains and evaluates as the global batches do; a
+    DatasetCreator gets TF's InputContext (2 pipelines, the process's index, 8 replicas), its per-replica batches
+    train as the global batches do, and the model exported from both processes (process 0 writes) predicts as the
+    reference's export does."""
     import numpy as np
 
     cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
@@ -199,6 +232,15 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
         e_ref, e_got = json.loads(str(ref["per_process_evaluate"])), json.loads(str(got["per_process_evaluate"]))
         for k in e_ref:
             assert abs(e_got[k] - e_ref[k]) < 2e-5, (i, k, e_got, e_ref)
+    assert ref["creator_contexts"].tolist() == [[1, 0, 1]]
+    for i, got in enumerate(w):
+        assert got["creator_contexts"].tolist() == [[2, i, 8]], (i, got["creator_contexts"])  # TF's InputContext
+        np.testing.assert_allclose(got["creator_weights"], ref["creator_weights"], atol=2e-5, rtol=1e-5,
+                                   err_msg=f"worker {i} weights, DatasetCreator input")
+        np.testing.assert_allclose(got["export_pred"], ref["export_pred"], atol=2e-5, rtol=1e-5,
+                                   err_msg=f"worker {i}: the exported artifact's predictions")
+    assert sorted(p.name for p in (tmp_path / "export-worker").iterdir()) == [
+        "manifest.json", "model.jaxexport", "weights.npz"]
     np.testing.assert_array_equal(w[0]["unseeded"], w[1]["unseeded"])
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
         "reference-1.weights.h5", "reference-2.weights.h5", "worker-1.weights.h5", "worker-2.weights.h5"]
