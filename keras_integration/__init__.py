@@ -62,8 +62,14 @@ write the same files);
 evaluates each new checkpoint from an evaluator task.
 
 Input (synchronous strategies): numpy arrays, Python generators and
-``keras.utils.PyDataset`` as Keras takes them, and any re-iterable of
-batches through :class:`jaxdist.keras.Batches`.
+``keras.utils.PyDataset`` as Keras takes them, any re-iterable of
+batches through :class:`jaxdist.keras.Batches`, and TF's
+:class:`jaxdist.keras.DatasetCreator` (per-process pipelines of per-replica
+batches, with ``steps_per_epoch``).
+
+Export for serving: :func:`jaxdist.keras.export_model` writes a model trained
+under any strategy as a ``.keras`` file, a ``jax.export`` artifact served
+without jaxdist or Keras, or TF's SavedModel.
 
 Importing this module raises :class:`~jaxdist.base.errors.ConfigurationError`
 when Keras was already imported with another backend.

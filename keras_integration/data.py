@@ -10,6 +10,11 @@ iterable has it, gives Keras the epoch length (a progress bar with a target).
 Each batch is a tuple ``(x,)``, ``(x, y)`` or ``(x, y, sample_weight)`` of
 arrays (or nested structures of arrays), as with Keras generators; under a
 jaxdist strategy it is a *global* batch, split over the replicas.
+
+:class:`DatasetCreator` (TF's) takes a dataset function instead: per-worker
+input under ``ParameterServerStrategy``, per-process input of per-replica
+batches under the other strategies (:class:`DatasetCreatorInput`, made by
+:func:`creator_arguments` when ``fit``/``evaluate``/``predict`` is called).
 """
 
 from __future__ import annotations
@@ -109,8 +114,16 @@ class Batches(DataAdapter):
 
 
 class DatasetCreator:
-    """Per-worker input for ``fit``/``evaluate`` under ``ParameterServerStrategy`` (TF's ``DatasetCreator``).
+    """Input from a dataset function for ``fit``/``evaluate`` (TF's ``DatasetCreator``), under every strategy.
 
+    Under the synchronous strategies and the default one (``fit``, ``evaluate`` and ``predict``; TF's
+    ``distribute_datasets_from_function``): ``dataset_fn(input_context)`` runs once per call in each
+    process, ``input_context`` = ``InputContext(processes, this process's index, replicas)``, and yields
+    *per-replica* batches; each step takes one per local replica (see :class:`DatasetCreatorInput`).
+    ``steps_per_epoch`` / ``validation_steps`` / ``steps`` are required, and ``y``, ``sample_weight``,
+    ``batch_size``, ``class_weight`` refused (the batches carry them).
+
+    Under ``ParameterServerStrategy`` it is per-worker input:
     ``model.fit(jaxdist.keras.DatasetCreator(dataset_fn), epochs=..., steps_per_epoch=...)``:
     ``dataset_fn(input_context)`` (or ``dataset_fn()``) runs on every worker
     (and again on a worker that restarts) and returns an iterable of batches
