@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import inspect
 import json
 import logging
 import os
@@ -222,10 +223,14 @@ def _export_jax(model: Any, path: Path, input_signature: Any, platforms: Sequenc
     stored = [a.astype(_stored_dtype(a.dtype)) for a in values]
     dtypes = [a.dtype for a in values]
     n_trainable = len(trainable)
+    # stateless_call hands its keyword arguments to call() as they are (model(x) drops what call does not take).
+    params = inspect.signature(model.call).parameters.values()
+    call_kwargs = {"training": False} if any(p.name == "training" or p.kind is inspect.Parameter.VAR_KEYWORD
+                                             for p in params) else {}
 
     def serve(weights: list[Any], inputs: Any) -> Any:
         weights = [w.astype(d) if w.dtype != d else w for w, d in zip(weights, dtypes)]
-        outputs, _ = model.stateless_call(weights[:n_trainable], weights[n_trainable:], inputs, training=False)
+        outputs, _ = model.stateless_call(weights[:n_trainable], weights[n_trainable:], inputs, **call_kwargs)
         return outputs
 
     args = _signature(model, input_signature)
@@ -235,8 +240,8 @@ def _export_jax(model: Any, path: Path, input_signature: Any, platforms: Sequenc
     except Exception as e:
         raise ValueError(
             f"export_model(format='jax'): tracing {model.name} for inputs {jax.tree.map(_shape_of, args)} failed "
-            f"({type(e).__name__}: {e}); a layer may not support a size left open: pass input_signature with fixed "
-            "sizes (e.g. the serving batch size)") from e
+            f"({type(e).__name__}: {e}); if a layer cannot take a size left open (None), pass input_signature with "
+            "fixed sizes (e.g. the serving batch size)") from e
     if not writes:
         return
     keys = [f"w{i:05d}" for i in range(len(variables))]

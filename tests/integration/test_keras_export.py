@@ -299,6 +299,57 @@ def export_bfloat16_weights_are_stored_as_float32() -> None:
     np.testing.assert_allclose(got.astype(np.float32), np.asarray(model.predict(x, verbose=0), np.float32), atol=1e-2)
 
 
+def _call_artifact(artifact: Path, inputs: Any) -> Any:
+    """The artifact's outputs for ``inputs`` (in this process: the shapes are what is checked here)."""
+    import json
+
+    import jax
+    import numpy as np
+
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    exported = jax.export.deserialize(bytearray((artifact / manifest["exported_file"]).read_bytes()))
+    with np.load(artifact / manifest["weights_file"]) as npz:
+        return np.asarray(exported.call([npz[w["key"]] for w in manifest["weights"]], inputs))
+
+
+@check
+def export_subclassed_and_two_input_models() -> None:
+    """A subclassed model needs input_signature (None sizes left open); a two-input model takes a list."""
+    import jax
+    import keras
+    import numpy as np
+
+    import jaxdist.keras
+
+    class Sub(keras.Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x: Any) -> Any:
+            return self.dense(x) * 2.0
+
+    sub = Sub()
+    x, _ = _data(10)
+    sub(x)
+    a, b = keras.Input((5,)), keras.Input((7,))
+    two = keras.Model([a, b], keras.layers.Dense(2)(keras.layers.Concatenate()([a, b])))
+    xa, xb = x[:, :5], x[:, 5:]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        try:
+            jaxdist.keras.export_model(sub, root / "sub", format="jax")
+        except ValueError as e:
+            assert "input_signature" in str(e), e
+        else:
+            raise AssertionError("a subclassed model without input_signature was exported")
+        artifact = jaxdist.keras.export_model(sub, root / "sub", format="jax",
+                                              input_signature=jax.ShapeDtypeStruct((None, 12), np.float32))
+        np.testing.assert_allclose(_call_artifact(artifact, x[:7]), np.asarray(sub(x[:7])), atol=ATOL)
+        artifact = jaxdist.keras.export_model(two, root / "two", format="jax")
+        np.testing.assert_allclose(_call_artifact(artifact, [xa, xb]), two.predict([xa, xb], verbose=0), atol=ATOL)
+
+
 # ---------------------------------------------------------------------------------------
 # Checks: DatasetCreator under the synchronous strategies
 # ---------------------------------------------------------------------------------------
