@@ -133,14 +133,15 @@ def export_model(model: Any, path: str | os.PathLike[str], format: str = "keras"
         raise ExportDependencyError("export_model(format='jax') serializes with jax.export, which needs the "
                                     "flatbuffers package: pip install 'jaxdist[export]'")
 
-    if sync_from_ps(model):
+    pulled = sync_from_ps(model)
+    if pulled:
         logger.info("export_model: pulled %s's weights from the parameter servers", model.name)
     elif ps_strategy_of(model) is not None:
         logger.info("export_model: %s was built under ParameterServerStrategy but never fitted there: exporting its "
                     "initial weights", model.name)
     with _no_distribution():
         if format == "keras":
-            if ps_strategy_of(model) is not None:
+            if pulled:
                 logger.warning(
                     "export_model(format='keras'): %s trained on parameter servers; the file's weights are the PS's, "
                     "but its optimizer variables are the coordinator's (the optimizer's state lives on the PS): "
