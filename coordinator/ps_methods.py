@@ -131,6 +131,11 @@ class _Delegating:
         return self._local().distribute_datasets_from_function(dataset_fn, options, **kwargs)
 
     @property
+    def trace_count(self) -> int:
+        """Programs ``run`` has traced (compiled) in this process so far, as ``MirroredStrategy.trace_count``."""
+        return int(self._local().trace_count)
+
+    @property
     def local_num_replicas(self) -> int:
         """Replicas of ``run`` in this process (its local devices)."""
         return self._local().num_replicas_in_sync

@@ -256,6 +256,29 @@ def test_jit_compiles_once_per_worker(env) -> None:  # type: ignore[no-untyped-d
     assert max(rv.fetch() for rv in rvs) == 1
 
 
+def test_strategy_run_of_a_function_defined_in_the_closure_compiles_once(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's ``testStrategyRun``, ported literally: ``replica_fn`` is defined inside the scheduled function,
+    so every closure makes a new function object; ``run`` keys it by code and captured values and
+    compiles it once per worker: here both in-process workers share this process's local strategy, and
+    each holds its own unpickled copy of the closure (so of the captured array): two compiles at most."""
+    strategy, coord = env
+    offset = np.float32(1.0)
+    before = coord.schedule(lambda: strategy.trace_count).fetch()
+
+    def worker_fn(x: float) -> tuple[float, int]:
+        def replica_fn(v: Any) -> Any:
+            return v + offset
+
+        out = strategy.run(replica_fn, args=(jnp.float32(x),))
+        return float(strategy.experimental_local_results(out)[0]), strategy.trace_count
+
+    rvs = [coord.schedule(worker_fn, args=(float(i),)) for i in range(40)]
+    coord.join()
+    results = [rv.fetch() for rv in rvs]
+    assert [r[0] for r in results] == [i + 1.0 for i in range(40)]
+    assert 1 <= max(r[1] for r in results) - before <= coord.num_workers  # 40 without the code-keyed cache
+
+
 def test_paused_dispatch_is_a_quiet_point(env) -> None:  # type: ignore[no-untyped-def]
     strategy, coord = env
     release = gates.new_name("release")
