@@ -19,7 +19,7 @@ import pytest
 
 import jaxdist
 from jaxdist.cluster_coordinator.remote_value import RemoteValue, RemoteValueStatus
-from jaxdist.errors import CancelledError, ClosureError, OutOfRangeError
+from jaxdist.errors import CancelledError, ClosureError, OutOfRangeError, PerWorkerInputError
 from jaxdist.testing import InProcessCluster, poll_for
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker.coordinator_client import CoordinatorClient
@@ -210,6 +210,47 @@ def test_per_worker_dataset_input_context_and_end_of_data(env) -> None:  # type:
     with pytest.raises(OutOfRangeError):
         coord.join()
     assert any(_failed_with(rv, OutOfRangeError) for rv in rvs)
+
+
+def test_a_dataset_function_that_raises_fails_create_per_worker_dataset(env) -> None:  # type: ignore[no-untyped-def]
+    """TF raises a bad dataset function at ``create_per_worker_dataset``; nothing is left pending."""
+    strategy, coord = env
+    poll_for(lambda: all(w["healthy"] for w in coord.status()), 30, what="both workers configured")
+
+    def bad_fn(ctx: jaxdist.InputContext) -> list[int]:
+        raise UserError(f"no data for pipeline {ctx.input_pipeline_id}")
+
+    with pytest.raises(PerWorkerInputError, match="no data for pipeline") as info:
+        coord.create_per_worker_dataset(bad_fn)
+    assert isinstance(info.value.__cause__, UserError)  # the function's own exception travels with it
+    assert info.value.task.startswith("worker:")
+    # The failure is not held for a later, unrelated call.
+    assert coord.schedule(lambda: 1).fetch() == 1
+    coord.join()
+    assert coord.done()
+
+
+def test_a_failed_per_worker_input_fails_only_its_consumers(env) -> None:  # type: ignore[no-untyped-def]
+    """A per-worker input that fails on the workers (here its iterator) fails the closures that consume
+    it, with the input's error; closures that do not use it, and join, are unaffected (TF's contract)."""
+    strategy, coord = env
+
+    class Unreadable:
+        def __iter__(self) -> Iterator[int]:
+            raise UserError("shard is unreadable")
+
+    it = iter(coord.create_per_worker_dataset(lambda: Unreadable()))
+    rvs = [coord.schedule(lambda x: x * 2, args=(i,)) for i in range(10)]
+    coord.join()  # the failed iterators are nobody's business yet
+    assert [rv.fetch() for rv in rvs] == [2 * i for i in range(10)]
+    consumer = coord.schedule(lambda iterator: next(iterator), args=(it,))
+    with pytest.raises(PerWorkerInputError, match="shard is unreadable") as info:
+        coord.join()
+    assert isinstance(info.value.__cause__, UserError)
+    with pytest.raises(PerWorkerInputError):
+        consumer.fetch()
+    assert coord.schedule(lambda: 3).fetch() == 3  # the error was raised once; the job goes on
+    coord.join()
 
 
 def test_per_worker_values_argument(env) -> None:  # type: ignore[no-untyped-def]
