@@ -320,6 +320,65 @@ def test_strategy_run_of_a_function_defined_in_the_closure_compiles_once(env) ->
     assert 1 <= max(r[1] for r in results) - before <= coord.num_workers  # 40 without the code-keyed cache
 
 
+def test_metrics_under_the_parameter_server_strategy(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's PS tutorial: the accuracy metric is made in the strategy's scope, updated in closures and read
+    on the coordinator. Its totals live on the PS; the result is exact over every closure's batch."""
+    strategy, coord = env
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 3, size=8), rng.normal(size=(8, 3)).astype(np.float32)) for _ in range(12)]
+    with strategy.scope():
+        accuracy = jaxdist.metrics.SparseCategoricalAccuracy()
+        loss = jaxdist.metrics.Mean(name="loss")
+    assert all(isinstance(v, jaxdist.metrics.PSAccumulator) for v in accuracy.variables)
+
+    def step(labels: np.ndarray, logits: np.ndarray) -> None:
+        preds = strategy.run(lambda x: x * 1.0, args=(jnp.asarray(logits),))  # computed on the worker
+        logits_local = np.asarray(strategy.experimental_local_results(preds)[0])
+        accuracy.update_state(labels, logits_local)
+        loss.update_state(np.abs(logits_local).sum(axis=1))
+
+    for labels, logits in batches:
+        coord.schedule(step, args=(labels, logits))
+    coord.join()
+    labels_all = np.concatenate([b[0] for b in batches])
+    logits_all = np.concatenate([b[1] for b in batches])
+    expected = float(np.mean(np.argmax(logits_all, axis=1) == labels_all))
+    assert float(accuracy.result()) == pytest.approx(expected, abs=1e-6)
+    assert float(loss.result()) == pytest.approx(float(np.abs(logits_all).sum(axis=1).mean()), rel=1e-5)
+    accuracy.reset_state()
+    assert float(accuracy.result()) == 0.0
+    assert float(coord.schedule(lambda: float(accuracy.result())).fetch()) == 0.0  # readable in closures too
+
+    # TF's tutorial form: update_state inside replica_fn, under the PS strategy's run (compiled on the
+    # worker's devices); the replicas' increments are pushed when run returns. The replica_fn made anew
+    # in every closure still compiles once per worker (the metric is among its captured values).
+    def tutorial_step(labels: np.ndarray, logits: np.ndarray) -> None:
+        def replica_fn(y: Any, x: Any) -> Any:
+            accuracy.update_state(y, x)
+            return jnp.sum(x)
+
+        strategy.run(replica_fn, args=(jnp.asarray(labels), jnp.asarray(logits)))
+
+    before = coord.schedule(lambda: strategy.trace_count).fetch()
+    for labels, logits in batches:
+        coord.schedule(tutorial_step, args=(labels, logits))
+    coord.join()
+    assert float(accuracy.result()) == pytest.approx(expected, abs=1e-6)
+    # The batch goes to run undistributed, so every replica counts it (as TF): the sum of the replicas'
+    # increments arrived, not one replica's.
+    replicas = coord.schedule(lambda: strategy.local_num_replicas).fetch()
+    assert float(accuracy.count.value()) == len(labels_all) * replicas
+    assert coord.schedule(lambda: strategy.trace_count).fetch() - before <= coord.num_workers
+
+    def inside_jit(labels: np.ndarray, logits: np.ndarray) -> None:
+        jax.jit(accuracy.update_state)(jnp.asarray(labels), jnp.asarray(logits))
+
+    rv = coord.schedule(inside_jit, args=batches[0])
+    with pytest.raises(jaxdist.errors.ConfigurationError, match="compiled"):
+        coord.join()
+    assert _failed_with(rv, jaxdist.errors.ConfigurationError)
+
+
 def test_paused_dispatch_is_a_quiet_point(env) -> None:  # type: ignore[no-untyped-def]
     strategy, coord = env
     release = gates.new_name("release")

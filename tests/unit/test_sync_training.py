@@ -297,6 +297,24 @@ def test_optimizer_with_whole_tree_state_checkpoints_by_name(tmp_path: Path) -> 
 # -- metrics against scikit-learn ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "make",
+    [jaxdist.get_strategy, lambda: jaxdist.OneDeviceStrategy(0), jaxdist.MirroredStrategy, jaxdist.CentralStorageStrategy],
+    ids=["default", "one_device", "mirrored", "central_storage"],
+)
+def test_metrics_are_made_and_updated_under_every_synchronous_strategy(make: Any) -> None:
+    """jaxdist.metrics in each synchronous strategy's scope, updated inside its run (the
+    ParameterServerStrategy's case is in tests/integration/test_coordinator.py)."""
+    strategy = make()
+    y = np.array([0, 1, 2, 1], np.int32)
+    logits = np.eye(3, dtype=np.float32)[[0, 1, 1, 1]]
+    with strategy.scope():
+        acc, mean = jaxdist.metrics.SparseCategoricalAccuracy(), jaxdist.metrics.Mean()
+    strategy.run(lambda a, b: (acc.update_state(a, b), mean.update_state(b[:, 0]))[-1], args=(jnp.asarray(y), jnp.asarray(logits)))
+    assert float(acc.result()) == pytest.approx(0.75)
+    assert float(mean.result()) == pytest.approx(0.25)
+
+
 def test_metrics_match_sklearn_with_a_short_last_batch() -> None:
     rng = np.random.default_rng(1)
     n, c = 45, 4
