@@ -101,8 +101,11 @@ class Metric:
         read, under the synchronous strategies; a variable on a parameter server under
         ``ParameterServerStrategy`` (:class:`PSAccumulator`)."""
         if isinstance(self.strategy, ParameterServerStrategy):
+            # "replace": a metric starts at zero, also when a PS still holds an earlier run's totals
+            # under this name (a coordinator that restarted and made its metrics again).
             acc = PSAccumulator(self.strategy.create_variable(
-                np.zeros(tuple(shape), dtype or self.dtype), name=f"metrics/{self.name}/{name}", trainable=False))
+                np.zeros(tuple(shape), dtype or self.dtype), name=f"metrics/{self.name}/{name}", trainable=False,
+                if_exists="replace"))
             self._weights.append(acc)
             return acc
         v = create_variable(
@@ -213,8 +216,13 @@ _WRAPPERS: collections.OrderedDict[Any, tuple[Callable[..., Any], dict[str, Any]
 _WRAPPERS_LOCK = threading.Lock()
 
 
-def _wrapper_for(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]]:
+def _wrapper_for(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """``fn``'s wrapper (None: ``fn`` has no hashable key, so ``run`` cannot cache it either)."""
     key = fn_key(fn)
+    try:
+        hash(key)
+    except TypeError:
+        return None
     with _WRAPPERS_LOCK:
         hit = _WRAPPERS.get(key)
         if hit is not None:
@@ -234,6 +242,8 @@ def _wrapper_for(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, 
         recorded["accumulators"] = [acc for acc, _ in pending]
         return out, tuple(delta for _, delta in pending)
 
+    with_metric_updates.__name__ = str(getattr(fn, "__name__", "fn"))  # run's messages name the user's function
+    with_metric_updates.__qualname__ = str(getattr(fn, "__qualname__", with_metric_updates.__name__))
     entry = (with_metric_updates, recorded)
     with _WRAPPERS_LOCK:
         _WRAPPERS[key] = entry
@@ -247,7 +257,10 @@ def run_with_ps_metrics(local: Any, fn: Callable[..., Any], args: Sequence[Any],
     process's devices) where ``fn`` may update metrics made under the PS strategy's scope, as in TF's
     PS tutorial: each replica's increments come out of the compiled step and their sum is pushed to
     the PS once the step is done (inside a closure, with the closure's update identity)."""
-    wrapper, recorded = _wrapper_for(fn)
+    entry = _wrapper_for(fn)
+    if entry is None:
+        return local.run(fn, args, kwargs, options)
+    wrapper, recorded = entry
     out, deltas = local.run(wrapper, args, kwargs, options)
     for acc, delta in zip(recorded["accumulators"], deltas):
         acc.variable.assign_add(np.asarray(local.reduce("SUM", delta, axis=None), acc.variable.dtype))

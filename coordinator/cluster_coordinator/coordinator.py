@@ -830,7 +830,8 @@ class ClusterCoordinator:
 
         Returns once ``dataset_fn`` has run on one worker (the first to build
         it; the others build it meanwhile, and workers that join or restart
-        later build it before they run anything else), and raises
+        later build it before they run anything else; a worker busy with a
+        closure builds it when that closure is done), and raises
         :class:`~jaxdist.errors.PerWorkerInputError` (the function's exception
         as its ``__cause__``) if that first build raised: TF raises a bad
         dataset function here too. With no worker up yet it returns at once.
