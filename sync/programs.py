@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from jaxdist.sync.variables import SyncVariable
 
@@ -126,7 +128,8 @@ def _value_key(v: Any, depth: int) -> Any:
 
     Immutable scalars and strings by value and exact type (``1``, ``1.0`` and
     ``True`` are different constants to a trace; floats by ``repr``, so
-    ``-0.0`` and ``0.0`` differ and a NaN equals itself); tuples of those
+    ``-0.0`` and ``0.0`` differ and a NaN equals itself; numpy scalars by
+    their type and bytes); tuples of those
     element by element; user functions by their own code key; anything else
     (arrays, lists, dicts, models, variables, strategies) by identity. An
     array or a list is unhashable, and equal contents would not prove that the
@@ -139,6 +142,8 @@ def _value_key(v: Any, depth: int) -> Any:
         return (t, v)
     if t is float or t is complex:
         return (t, repr(v))
+    if isinstance(v, np.generic) and v.dtype.kind in "biufc":  # a numpy scalar: immutable, by its exact bytes
+        return (t, v.tobytes())
     if t is tuple:
         return (tuple, tuple(_value_key(x, depth) for x in v))
     if t is types.FunctionType and depth < _KEY_DEPTH and not _is_library(v):

@@ -252,6 +252,12 @@ def test_a_function_defined_inside_the_caller_compiles_once() -> None:
     # 1 and 1.0 and True are different constants to a trace: not the same key.
     assert float(step(1, w)[0]) == 3.0
     assert s.trace_count == before + 4
+    # numpy scalars are keyed by type and value: a new np.float32(1.0) object each call compiles once.
+    for _ in range(3):
+        assert float(step(np.float32(1.0), w)[0]) == 3.0
+    assert s.trace_count == before + 5
+    assert float(step(np.float32(2.0), w)[0]) == 6.0
+    assert s.trace_count == before + 6
 
 
 # -- Optimizer state layout ----------------------------------------------------------------------------
