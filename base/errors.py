@@ -32,6 +32,7 @@ __all__ = [
     "AuthenticationError",
     "StaleFunctionError",
     "OutOfRangeError",
+    "PerWorkerInputError",
     "WorkerRestartedError",
     "UnidentifiedPushError",
     "UpdateMismatchError",
@@ -218,6 +219,40 @@ class OutOfRangeError(JaxdistError):
 
     code = grpc.StatusCode.OUT_OF_RANGE
     reason = "OUT_OF_RANGE"
+
+
+class PerWorkerInputError(JaxdistError):
+    """A per-worker input (a per-worker dataset, its iterator, or another per-worker resource)
+    failed to build on a worker; the function's own exception is the ``__cause__``.
+
+    Raised by ``create_per_worker_dataset`` when the dataset function raises
+    on the worker that builds it first, and by every closure that consumes the
+    failed input on a worker where it failed (its ``fetch()``, then
+    ``join``/``done``/``schedule`` as any closure error). An input that failed
+    fails no closure that does not use it (TF's ``ClosureInputError``).
+    ``resource_id`` names the input, ``task`` the worker (``"worker:3"``).
+    The cause travels with the error between processes (pickled with it).
+    """
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "PER_WORKER_INPUT_FAILED"
+
+    def __init__(self, message: str, resource_id: int = 0, task: str = "") -> None:
+        super().__init__(message)
+        self.resource_id = resource_id
+        self.task = task
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Exceptions pickle their args and __dict__, not __cause__: carry the cause by hand.
+        return (_rebuild_input_error, (type(self), str(self), self.resource_id, self.task, self.__cause__))
+
+
+def _rebuild_input_error(
+    cls: type[PerWorkerInputError], message: str, resource_id: int, task: str, cause: BaseException | None
+) -> PerWorkerInputError:
+    err = cls(message, resource_id, task)
+    err.__cause__ = cause
+    return err
 
 
 class WorkerRestartedError(JaxdistError):

@@ -24,6 +24,21 @@ accuracies and AUC's confusion counts are exact. In a multi-process job
 Rows that are padding of an uneven batch (TF's split of a short batch) are
 left out by themselves, so a short last batch counts exactly its real rows.
 
+**Under ParameterServerStrategy** (TF's PS tutorial makes its accuracy metric
+in the strategy's scope): a metric made in ``ParameterServerStrategy.scope()``
+keeps its accumulators as variables on the parameter servers, as TF does.
+Closures call ``update_state`` on the worker (eagerly, in the closure's body:
+the labels and predictions are computed there, by ``strategy.run`` or
+otherwise); each update is a push of the totals' increments, which carries the
+closure's identity, so a closure re-run after a worker failure counts its batch
+once. ``result()`` and ``reset_state()`` run on the coordinator (or in a
+closure) and read or zero the PS variables. ``update_state`` inside the PS
+strategy's ``strategy.run`` (TF's ``replica_fn``, compiled over the worker's
+devices) works too: each replica's increments leave the compiled step as
+outputs, and their sum is pushed when ``run`` returns. Inside other compiled
+code (``jax.jit``) it is refused with a
+:class:`~jaxdist.errors.ConfigurationError`: a compiled function cannot push.
+
 Why this module is ``coordinator/metrics.py`` (``jaxdist.metrics``) and not
 under ``jaxdist.sync``: metric objects are a training-loop utility that works
 under every strategy (the default strategy, OneDevice, the mesh strategies,
@@ -33,15 +48,21 @@ inside ``jaxdist.function``), as ``jaxdist.Checkpoint`` is; they only borrow
 
 from __future__ import annotations
 
+import collections
+import contextvars
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.strategy import ParameterServerStrategy
 from jaxdist.sync import context as ctx_lib
+from jaxdist.sync.programs import RUN_CACHE_SIZE, fn_key
 from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSynchronization, create_variable
 
 logger = logging.getLogger(__name__)
@@ -54,6 +75,7 @@ __all__ = [
     "SparseCategoricalAccuracy",
     "SparseCategoricalCrossentropy",
     "AUC",
+    "PSAccumulator",
 ]
 
 #: Keras's backend epsilon: probabilities are clipped to [EPSILON, 1 - EPSILON] before their log.
@@ -72,10 +94,20 @@ class Metric:
         self.name = name or _snake(type(self).__name__)
         self.dtype = jnp.dtype(dtype)
         self.strategy = ctx_lib.get_strategy()
-        self._weights: list[SyncVariable] = []
+        self._weights: list[Any] = []
 
-    def add_weight(self, name: str, shape: Sequence[int] = (), dtype: Any = None) -> SyncVariable:
-        """A zero-initialised accumulator, one part per replica, summed when read (Keras's ``add_weight``)."""
+    def add_weight(self, name: str, shape: Sequence[int] = (), dtype: Any = None) -> SyncVariable | PSAccumulator:
+        """A zero-initialised accumulator (Keras's ``add_weight``): one part per replica, summed when
+        read, under the synchronous strategies; a variable on a parameter server under
+        ``ParameterServerStrategy`` (:class:`PSAccumulator`)."""
+        if isinstance(self.strategy, ParameterServerStrategy):
+            # "replace": a metric starts at zero, also when a PS still holds an earlier run's totals
+            # under this name (a coordinator that restarted and made its metrics again).
+            acc = PSAccumulator(self.strategy.create_variable(
+                np.zeros(tuple(shape), dtype or self.dtype), name=f"metrics/{self.name}/{name}", trainable=False,
+                if_exists="replace"))
+            self._weights.append(acc)
+            return acc
         v = create_variable(
             np.zeros(tuple(shape), dtype or self.dtype),
             name=f"metrics/{self.name}/{name}",
@@ -89,7 +121,8 @@ class Metric:
         return v
 
     @property
-    def variables(self) -> list[SyncVariable]:
+    def variables(self) -> list[Any]:
+        """The accumulators: :class:`SyncVariable` s, or :class:`PSAccumulator` s under parameter servers."""
         return list(self._weights)
 
     def update_state(self, *args: Any, **kwargs: Any) -> None:
@@ -114,6 +147,124 @@ class Metric:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class PSAccumulator:
+    """A metric accumulator held on a parameter server (a metric made in ``ParameterServerStrategy.scope()``).
+
+    The part of the sync-on-read variable's interface that metrics use:
+    ``assign_add``/``assign`` push (inside a closure with the closure's update
+    identity: exactly once even when the closure is re-run), ``value()`` pulls.
+    It pickles as its PS variable's handle, so closures carry the metric.
+    """
+
+    __slots__ = ("variable",)
+
+    def __init__(self, variable: Any) -> None:
+        self.variable = variable
+
+    @property
+    def name(self) -> str:
+        return str(self.variable.name)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.variable.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self.variable.dtype
+
+    def _host(self, x: Any, what: str) -> np.ndarray:
+        if isinstance(x, jax.core.Tracer) or ctx_lib.in_replica_fn():
+            raise ConfigurationError(
+                f"metric variable {self.name!r} lives on a parameter server (the metric was made in "
+                "ParameterServerStrategy.scope()): it can be updated (update_state) in a closure's body or inside "
+                f"the ParameterServerStrategy's own strategy.run, not inside other compiled code ({what}); return "
+                "the labels and predictions from the compiled function and update the metric after it")
+        return np.asarray(x, self.variable.dtype)
+
+    def assign_add(self, delta: Any, read_value: bool = False) -> None:
+        pending = _PENDING.get()
+        if pending is not None and ctx_lib.in_replica_fn():
+            # Inside the PS strategy's run: the increment leaves the compiled step as an output, and
+            # run_with_ps_metrics pushes the sum over the replicas after it.
+            pending.append((self, jnp.asarray(delta).astype(self.variable.dtype)))
+            return
+        self.variable.assign_add(self._host(delta, "assign_add"))
+
+    def assign(self, value: Any, read_value: bool = False) -> None:
+        self.variable.assign(self._host(value, "assign"))
+
+    def value(self) -> Any:
+        return jnp.asarray(self.variable.numpy())
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.variable.numpy())
+
+    def __repr__(self) -> str:
+        return f"PSAccumulator({self.variable!r})"
+
+
+#: Set while a function run by :func:`run_with_ps_metrics` is traced: where PS accumulators record
+#: the increments made inside it.
+_PENDING: contextvars.ContextVar[list[tuple[PSAccumulator, Any]] | None] = contextvars.ContextVar(
+    "jaxdist_ps_metric_updates", default=None)
+#: Per function (by ``run``'s own key: code and captured values), its wrapper and what the wrapper's last
+#: trace recorded. Bounded like the run cache; a function evicted here is wrapped (and traced) anew.
+_WRAPPERS: collections.OrderedDict[Any, tuple[Callable[..., Any], dict[str, Any]]] = collections.OrderedDict()
+_WRAPPERS_LOCK = threading.Lock()
+
+
+def _wrapper_for(fn: Callable[..., Any]) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """``fn``'s wrapper (None: ``fn`` has no hashable key, so ``run`` cannot cache it either)."""
+    key = fn_key(fn)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    with _WRAPPERS_LOCK:
+        hit = _WRAPPERS.get(key)
+        if hit is not None:
+            _WRAPPERS.move_to_end(key)
+            return hit
+    recorded: dict[str, Any] = {"accumulators": []}
+
+    def with_metric_updates(*args: Any, **kwargs: Any) -> Any:
+        pending: list[tuple[PSAccumulator, Any]] = []
+        token = _PENDING.set(pending)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _PENDING.reset(token)
+        # Runs when traced only: a cached program returns the increments of these same accumulators
+        # (its key holds the function's captured values, the metrics among them, by identity).
+        recorded["accumulators"] = [acc for acc, _ in pending]
+        return out, tuple(delta for _, delta in pending)
+
+    with_metric_updates.__name__ = str(getattr(fn, "__name__", "fn"))  # run's messages name the user's function
+    with_metric_updates.__qualname__ = str(getattr(fn, "__qualname__", with_metric_updates.__name__))
+    entry = (with_metric_updates, recorded)
+    with _WRAPPERS_LOCK:
+        _WRAPPERS[key] = entry
+        while len(_WRAPPERS) > RUN_CACHE_SIZE:
+            _WRAPPERS.popitem(last=False)
+    return entry
+
+
+def run_with_ps_metrics(local: Any, fn: Callable[..., Any], args: Sequence[Any], kwargs: Any, options: Any) -> Any:
+    """``local.run(fn, ...)`` (the ParameterServerStrategy's ``run``: a MirroredStrategy over this
+    process's devices) where ``fn`` may update metrics made under the PS strategy's scope, as in TF's
+    PS tutorial: each replica's increments come out of the compiled step and their sum is pushed to
+    the PS once the step is done (inside a closure, with the closure's update identity)."""
+    entry = _wrapper_for(fn)
+    if entry is None:
+        return local.run(fn, args, kwargs, options)
+    wrapper, recorded = entry
+    out, deltas = local.run(wrapper, args, kwargs, options)
+    for acc, delta in zip(recorded["accumulators"], deltas):
+        acc.variable.assign_add(np.asarray(local.reduce("SUM", delta, axis=None), acc.variable.dtype))
+    return out
 
 
 def _snake(name: str) -> str:

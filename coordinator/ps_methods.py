@@ -108,8 +108,13 @@ class _Delegating:
     def run(
         self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, options: Any = None
     ) -> Any:
-        """Run ``fn`` on every local device of this process (a worker's devices inside a closure)."""
-        return self._local().run(fn, args, kwargs, options)
+        """Run ``fn`` on every local device of this process (a worker's devices inside a closure).
+
+        ``fn`` may update ``jaxdist.metrics`` made in this strategy's scope: their increments are
+        pushed to the parameter servers when the step is done (see :mod:`jaxdist.metrics`)."""
+        from jaxdist.metrics import run_with_ps_metrics  # the public layer above; imported when first run
+
+        return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         return self._local().reduce(reduce_op, value, axis)
@@ -129,6 +134,11 @@ class _Delegating:
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any], options: Any = None, **kwargs: Any) -> Any:
         """Use inside the per-worker dataset function (see the module docstring)."""
         return self._local().distribute_datasets_from_function(dataset_fn, options, **kwargs)
+
+    @property
+    def trace_count(self) -> int:
+        """Programs ``run`` has traced (compiled) in this process so far, as ``MirroredStrategy.trace_count``."""
+        return int(self._local().trace_count)
 
     @property
     def local_num_replicas(self) -> int:

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 if TYPE_CHECKING:
     from jaxdist.sync.variables import SyncVariable
 
@@ -92,10 +94,104 @@ class ProgramCache:
 _LIBRARY_PREFIXES = ("jax", "jaxlib", "numpy", "optax", "jaxdist", "flax", "haiku", "equinox", "chex", "ml_dtypes")
 
 
+#: Depth to which functions held in closure cells (helpers defined beside the run function) are
+#: keyed by their code too; deeper ones are keyed by identity.
+_KEY_DEPTH = 3
+#: Types whose values are keyed by value (immutable, compared exactly, hashed cheaply).
+_VALUE_TYPES = frozenset({int, bool, str, bytes, type(None), type(Ellipsis)})
+
+
+class _Identity:
+    """A key part that is one object, compared by identity, and that keeps the object alive.
+
+    Holding the object is the safety of identity keys: while the key is in a
+    cache, no other object can be born with the same ``id`` and be taken for it.
+    """
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Identity) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<identity of {type(self.obj).__name__} at {id(self.obj):#x}>"
+
+
+def _value_key(v: Any, depth: int) -> Any:
+    """How a captured value enters a function's cache key.
+
+    Immutable scalars and strings by value and exact type (``1``, ``1.0`` and
+    ``True`` are different constants to a trace; floats by ``repr``, so
+    ``-0.0`` and ``0.0`` differ and a NaN equals itself; numpy scalars by
+    their type and bytes); tuples of those
+    element by element; user functions by their own code key; anything else
+    (arrays, lists, dicts, models, variables, strategies) by identity. An
+    array or a list is unhashable, and equal contents would not prove that the
+    trace's baked-in constants are the same without comparing them all, so
+    identity is the only cheap, exact test: the same object hits, a new one
+    traces again.
+    """
+    t = type(v)
+    if t in _VALUE_TYPES:
+        return (t, v)
+    if t is float or t is complex:
+        return (t, repr(v))
+    if isinstance(v, np.generic) and v.dtype.kind in "biufc":  # a numpy scalar: immutable, by its exact bytes
+        return (t, v.tobytes())
+    if t is tuple:
+        return (tuple, tuple(_value_key(x, depth) for x in v))
+    if t is types.FunctionType and depth < _KEY_DEPTH and not _is_library(v):
+        return _function_key(v, depth + 1)
+    return _Identity(v)
+
+
+def _is_library(f: Any) -> bool:
+    return str(getattr(f, "__module__", "") or "").startswith(_LIBRARY_PREFIXES)
+
+
+_EMPTY_CELL = ("empty cell",)
+
+
+def _function_key(f: types.FunctionType, depth: int) -> Any:
+    """A plain function's key: its code, its globals, and what its closure cells and defaults hold.
+
+    This is ``tf.function``'s rule for a function object made anew on every
+    call (a ``replica_fn`` defined inside the function a closure runs): two
+    function objects made by the same ``def`` with the same captured values
+    are the same program, so ``run`` compiles once. A cell or default that
+    holds another value (by :func:`_value_key`'s comparison) is another key,
+    so a changed captured value traces again instead of using a stale one.
+    """
+    cells = []
+    for cell in f.__closure__ or ():
+        try:
+            cells.append(_value_key(cell.cell_contents, depth))
+        except ValueError:  # an empty cell (a name assigned later)
+            cells.append(_EMPTY_CELL)
+    defaults = tuple(_value_key(d, depth) for d in f.__defaults__ or ())
+    kwdefaults = tuple(sorted((k, _value_key(d, depth)) for k, d in (f.__kwdefaults__ or {}).items()))
+    return ("code", f.__code__, _Identity(f.__globals__), tuple(cells), defaults, kwdefaults)
+
+
 def fn_key(fn: Callable[..., Any]) -> Any:
-    """Cache key of a callable: bound methods by (function, instance id), others by identity."""
+    """Cache key of a callable.
+
+    Bound methods by (function, instance id); plain Python functions by their
+    code and captured values (:func:`_function_key`), so a function defined
+    inside the caller's loop body or closure compiles once; any other
+    callable (a ``functools.partial``, a jitted function, an object with
+    ``__call__``) by identity.
+    """
     if isinstance(fn, types.MethodType):
         return ("method", fn.__func__, id(fn.__self__))
+    if type(fn) is types.FunctionType:
+        return _function_key(fn, 0)
     return fn
 
 

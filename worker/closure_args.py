@@ -20,7 +20,10 @@ resource table:
 A persistent id naming a resource the worker does not hold (it restarted,
 or the resource was never built there) makes :func:`loads` raise
 :class:`ResourceMissing`; the worker answers ``RESOURCE_UNKNOWN`` and the
-coordinator rebuilds the worker's resources. Any other persistent id is a
+coordinator rebuilds the worker's resources. A resource whose function
+raised on this worker is held as a :class:`FailedResource`: naming it makes
+:func:`loads` raise its :class:`~jaxdist.base.errors.PerWorkerInputError`, so
+only the closures that consume it fail. Any other persistent id is a
 malformed request (:class:`pickle.UnpicklingError`).
 
 This module sits in the worker role's package (both the coordinator and the
@@ -36,12 +39,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, PerWorkerInputError
 from jaxdist.proto import pickling
 
 __all__ = [
     "LEDGER",
     "RESOURCE",
+    "FailedResource",
     "LedgerBatches",
     "ResourceMissing",
     "WorkerResident",
@@ -90,6 +94,20 @@ class ResourceMissing(Exception):
     def __init__(self, resource_id: int) -> None:
         super().__init__(f"per-worker resource {resource_id} is not on this worker")
         self.resource_id = resource_id
+
+
+class FailedResource:
+    """What a worker holds for a per-worker resource whose function raised there.
+
+    ``error`` is the :class:`~jaxdist.base.errors.PerWorkerInputError` (its
+    ``__cause__`` the function's exception) that every closure naming the
+    resource on this worker fails with.
+    """
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: PerWorkerInputError) -> None:
+        self.error = error
 
 
 class _ArgsPickler(pickling.Pickler):
@@ -168,6 +186,8 @@ class _ArgsUnpickler(pickle.Unpickler):
             resource = self._resources[rid]
         except KeyError:
             raise ResourceMissing(rid) from None
+        if isinstance(resource, FailedResource):
+            raise resource.error.with_traceback(None)  # raised per consumer: its traceback must not grow
         if pid[0] == LEDGER:
             if len(pid) != 3:
                 raise pickle.UnpicklingError(f"malformed persistent id {pid!r}")
@@ -180,6 +200,7 @@ def loads(data: bytes, resources: Mapping[int, Any]) -> tuple[tuple[Any, ...], d
 
     Raises:
         ResourceMissing: a named resource is not in ``resources``.
+        PerWorkerInputError: a named resource failed to build here (a :class:`FailedResource`).
         pickle.UnpicklingError: an unknown persistent id (and whatever else unpickling raises).
     """
     if not data:

@@ -31,7 +31,7 @@ import grpc
 import jax
 import numpy as np
 
-from jaxdist.base.errors import InvalidRequestError, OutOfRangeError, WorkerRestartedError
+from jaxdist.base.errors import ClosureError, InvalidRequestError, OutOfRangeError, PerWorkerInputError, WorkerRestartedError
 from jaxdist.proto import common_pb2, pickling, worker_pb2
 from jaxdist.transport.handlers import unary_handler
 from jaxdist.ps_server.connections import PSConnections
@@ -189,6 +189,9 @@ class WorkerServicer:
         try:
             fn = self._function(call)
         except Exception as e:  # noqa: BLE001 - a function that fails to unpickle is the closure's error
+            if call.resource_id:
+                e = self._input_error(call.resource_id, e)
+                self._resources[call.resource_id] = closure_args.FailedResource(e)
             self._set_error(result, e)
             return
         if fn is None:
@@ -199,7 +202,15 @@ class WorkerServicer:
         except closure_args.ResourceMissing:
             result.status = worker_pb2.RESOURCE_UNKNOWN
             return
+        except PerWorkerInputError as e:  # an input of this closure failed to build here
+            if call.resource_id:  # a resource made from it (an iterator of a failed dataset) fails too
+                self._resources[call.resource_id] = closure_args.FailedResource(e)
+            self._set_error(result, e)
+            return
         except Exception as e:  # noqa: BLE001
+            if call.resource_id:
+                e = self._input_error(call.resource_id, e)
+                self._resources[call.resource_id] = closure_args.FailedResource(e)
             self._set_error(result, e)
             return
         try:
@@ -214,10 +225,28 @@ class WorkerServicer:
             elif not call.discard_result and value is not None:
                 result.value = pickling.dumps(_to_host(value))
         except Exception as e:  # noqa: BLE001 - the user's exception goes back to the coordinator
+            if call.resource_id:
+                # Kept as failed, not missing: the closures that consume it fail with this error, the
+                # others run (TF fails only a failed input's consumers).
+                e = self._input_error(call.resource_id, e)
+                self._resources[call.resource_id] = closure_args.FailedResource(e)
             self._set_error(result, e)
             return
         result.status = worker_pb2.CLOSURE_OK
         self.stats["closures_done"] += 1
+
+    def _input_error(self, resource_id: int, exc: BaseException) -> PerWorkerInputError:
+        """The error of per-worker resource ``resource_id``, whose function raised ``exc`` here."""
+        task = f"worker:{self.task_index}"
+        err = PerWorkerInputError(
+            f"per-worker input {resource_id} failed to build on {task}: {type(exc).__name__}: {exc}", resource_id, task)
+        cause: BaseException = exc
+        try:
+            pickling.dumps(exc)
+        except Exception:  # noqa: BLE001 - an unpicklable cause travels as its type, message and traceback
+            cause = ClosureError(f"{type(exc).__qualname__}: {exc}", "".join(traceback.format_exception(exc)))
+        err.__cause__ = cause
+        return err
 
     def _set_error(self, result: worker_pb2.ClosureResult, exc: BaseException) -> None:
         self.stats["closures_failed"] += 1

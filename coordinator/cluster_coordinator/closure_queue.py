@@ -131,6 +131,9 @@ class Closure:
     per_worker: bool = False  # arguments hold PerWorkerValues, resolved per worker at dispatch
     on_done: Callable[[], None] | None = None  # called once when it finished successfully
     on_cancel: Callable[[], None] | None = None  # called once when it is cancelled or fails
+    # Per-worker resource closures: told how each build ended (None: built; else the error, a
+    # CancelledError when it was cancelled unrun). Called once, after the RemoteValue is settled.
+    on_settled: Callable[[BaseException | None], None] | None = None
     remote_value: RemoteValue = field(init=False)
     _fp: FunctionPayload | None = field(default=None, init=False, repr=False)
 
@@ -150,16 +153,24 @@ class Closure:
         if self.on_done is not None:
             self.on_done()
         self.on_cancel = None
+        self._settled(None)
 
     def fail(self, error: BaseException) -> None:
         """It failed for good: ``fetch()`` raises ``error``; its data positions go back to the ledger."""
         self._give_back()
         self.remote_value.set_error(error)
+        self._settled(error)
 
     def cancel(self, error: BaseException) -> None:
         """It will not run: ``fetch()`` raises ``error`` (ABORTED); its data positions go back."""
         self._give_back()
         self.remote_value.set_aborted(error)
+        self._settled(error)
+
+    def _settled(self, error: BaseException | None) -> None:
+        hook, self.on_settled = self.on_settled, None
+        if hook is not None:
+            hook(error)
 
     def _give_back(self) -> None:
         if self.on_cancel is not None:
@@ -308,12 +319,13 @@ class ClosureQueue:
             self.finished += n
             self._settle_check()
 
-    def mark_failed(self, error: BaseException) -> None:
-        """A running closure failed with a non-retryable error."""
+    def mark_failed(self, error: BaseException, record: bool = True) -> None:
+        """A running closure failed with a non-retryable error. ``record=False``: count it, but
+        record no error (a per-worker input that failed fails its consumers, not the job)."""
         with self._lock:
             self._inflight -= 1
             self.failed += 1
-            if self._error is None:
+            if record and self._error is None:
                 self._error = error
                 self._cancel_all_queued()
                 self._room.notify_all()

@@ -44,6 +44,7 @@ import itertools
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -110,6 +111,38 @@ def _check_args(structure: Any) -> bool:
             )
         has_pw |= isinstance(leaf, PerWorkerValues)
     return has_pw
+
+
+class ResourceBuilds:
+    """How the builds of one per-worker resource ended, on every worker: built, failed (the first
+    errors), or cancelled unrun. Fed by the resource closures' ``on_settled``; thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.built = 0
+        self.cancelled = 0
+        self.errors: list[BaseException] = []
+
+    def settled(self, error: BaseException | None) -> None:
+        with self._cond:
+            if error is None:
+                self.built += 1
+            elif isinstance(error, E.CancelledError):
+                self.cancelled += 1
+            elif len(self.errors) < 8:
+                self.errors.append(error)
+            self._cond.notify_all()
+
+    def wait_first(self, worth_waiting: Callable[[], bool], recheck_s: float) -> BaseException | None:
+        """Wait until one build ended; return its error, None if it was built (or cancelled, or
+        ``worth_waiting()`` turned False: no worker can build it now). ``worth_waiting`` is asked
+        again every ``recheck_s`` seconds (a worker may die with the build in flight)."""
+        with self._cond:
+            while not (self.built or self.cancelled or self.errors):
+                if not worth_waiting():
+                    return None
+                self._cond.wait(recheck_s)
+            return self.errors[0] if self.errors else None
 
 
 class Cluster:
@@ -320,9 +353,10 @@ class Cluster:
     def create_per_worker_resource(self, fn: Callable[..., Any], args: tuple[Any, ...], has_pw: bool) -> PerWorkerResourceValues:
         """See :meth:`ClusterCoordinator.create_per_worker_resource`."""
         rid = next(self._resource_ids)
+        builds = ResourceBuilds()
 
         def make(worker: int) -> Closure:
-            return Closure(fn, args, resource_id=rid, per_worker=has_pw)
+            return Closure(fn, args, resource_id=rid, per_worker=has_pw, on_settled=builds.settled)
 
         with self._resource_lock:
             self._resources.append((rid, make))
@@ -330,7 +364,33 @@ class Cluster:
                 if self.failures.is_healthy(w.index):
                     self.queue.put_tagged(w.index, make(w.index))
                 # Workers not configured yet get every resource when they are (worker_configured).
-        return PerWorkerResourceValues(rid)
+        return PerWorkerResourceValues(rid, builds)
+
+    def first_build(self, values: PerWorkerResourceValues) -> BaseException | None:
+        """Wait for the first build of resource ``values`` on any worker to end; its error, or None.
+
+        Waits while some worker is healthy (it builds it, or is about to), and
+        for up to the failure timeout while none is yet but some has not
+        answered its first Configure (the coordinator has just started). With
+        no worker able to build it, or while dispatch is paused or held,
+        returns None at once: the workers build it when they can, and a
+        failure there reaches its consumers.
+        """
+        builds = values.builds
+        if not isinstance(builds, ResourceBuilds):
+            return None
+        starting_until = time.monotonic() + self._settings.failure_timeout
+
+        def worth_waiting() -> bool:
+            if not self.queue.dispatching:  # paused (e.g. inside coordinator.paused()), held or stopped
+                return False
+            rows = [self.failures.worker_status(w.index) for w in list(self._workers)]
+            if any(r.healthy for r in rows):
+                return True
+            starting = any(not r.left and not r.incarnation and not r.failures for r in rows)
+            return starting and time.monotonic() < starting_until
+
+        return builds.wait_first(worth_waiting, recheck_s=0.25)
 
     # ------------------------------------------- the handles' and watcher's host
     def configure_request(self, handle: WorkerHandle) -> worker_pb2.ConfigureRequest:
@@ -363,6 +423,9 @@ class Cluster:
             if type(d) is fh.Fail:
                 d.closure.fail(d.error)
                 q.mark_failed(d.error)
+            elif type(d) is fh.InputFailed:
+                d.closure.fail(d.error)
+                q.mark_failed(d.error, record=False)
             elif type(d) is fh.Retry:
                 q.retry(d.closure)
             elif type(d) is fh.ReturnUnrun:
@@ -765,6 +828,17 @@ class ClusterCoordinator:
         returns any iterable; ``jaxdist.current_worker_index()`` works inside
         it. Datasets are rebuilt on a worker that restarts.
 
+        Returns once ``dataset_fn`` has run on one worker (the first to build
+        it; the others build it meanwhile, and workers that join or restart
+        later build it before they run anything else; a worker busy with a
+        closure builds it when that closure is done), and raises
+        :class:`~jaxdist.errors.PerWorkerInputError` (the function's exception
+        as its ``__cause__``) if that first build raised: TF raises a bad
+        dataset function here too. With no worker up yet it returns at once.
+        A build that fails on a worker later fails only the closures that use
+        the dataset there (their error is that ``PerWorkerInputError``);
+        other closures and ``join`` are unaffected.
+
         With ``exactly_once=True``, ``dataset_fn`` must return the *whole*
         data set as a sequence of ``num_batches`` batches (``ds[i]``), the same
         on every worker. The coordinator keeps a :class:`DataLedger` and gives
@@ -779,8 +853,13 @@ class ClusterCoordinator:
         if exactly_once:
             if num_batches is None:
                 raise ValueError("exactly_once=True needs num_batches (the length of the data set in batches)")
-            return ExactlyOnceDataset(self, dataset_fn, DataLedger(num_batches, epochs))
-        return PerWorkerDataset(self, dataset_fn)
+            ds: PerWorkerDataset = ExactlyOnceDataset(self, dataset_fn, DataLedger(num_batches, epochs))
+        else:
+            ds = PerWorkerDataset(self, dataset_fn)
+        error = self._cluster.first_build(ds.resource)
+        if error is not None:
+            raise error
+        return ds
 
     # -------------------------------------------------------------- lifecycle
     def shutdown(self, exit_tasks: bool = True, exit_code: int = 0) -> None:

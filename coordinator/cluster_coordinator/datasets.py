@@ -199,6 +199,11 @@ class PerWorkerDataset:
         self._coordinator = coordinator
         self._values = coordinator.create_per_worker_resource(_call_dataset_fn, (dataset_fn,))
 
+    @property
+    def resource(self) -> PerWorkerResourceValues:
+        """The per-worker resource the dataset is on each worker."""
+        return self._values
+
     def __iter__(self) -> PerWorkerDatasetIterator:
         return PerWorkerDatasetIterator(self._coordinator.create_per_worker_resource(iter, (self._values,)))
 

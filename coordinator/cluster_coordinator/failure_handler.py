@@ -101,6 +101,7 @@ __all__ = [
     "FailAll",
     "FailOver",
     "FailureHandler",
+    "InputFailed",
     "Finish",
     "ForgetFunction",
     "ForgetWorker",
@@ -168,6 +169,16 @@ class Finish:
 @dataclass(frozen=True, slots=True)
 class Fail:
     """The closure failed for good with ``error`` (recorded; queued closures are cancelled)."""
+
+    closure: Closure
+    error: BaseException
+
+
+@dataclass(frozen=True, slots=True)
+class InputFailed:
+    """A per-worker resource closure raised on its worker (the dataset function failed there): settle
+    it with ``error`` and count it failed, but record no job error. The worker holds the failure; only
+    the closures that consume the resource there fail (with it), as in TF."""
 
     closure: Closure
     error: BaseException
@@ -274,7 +285,7 @@ class FailAll:
 
 
 Decision = (
-    Finish | Fail | Retry | ReturnUnrun | ForgetFunction | Probe | DeclareDead | ForgetWorker | RebuildResources
+    Finish | Fail | InputFailed | Retry | ReturnUnrun | ForgetFunction | Probe | DeclareDead | ForgetWorker | RebuildResources
     | HoldDispatch | ReleaseDispatch | RestorePS | FailOver | AttachBackup | ReconfigureWorkers | FailAll
 )
 
@@ -621,6 +632,8 @@ class FailureHandler:
                         # A PS is down or came back empty: hold dispatch until it is back, then run again.
                         out.append(Retry(r.closure))
                         out.extend(self._suspect_ps(str(getattr(err, "task", "") or "")))
+                    elif r.closure.resource_id:
+                        out.append(InputFailed(r.closure, err))
                     else:
                         out.append(Fail(r.closure, err))
                 elif r.outcome is Outcome.FUNCTION_UNKNOWN:

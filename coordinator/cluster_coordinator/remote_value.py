@@ -168,8 +168,10 @@ class PerWorkerValues:
 class PerWorkerResourceValues(PerWorkerValues):
     """PerWorkerValues for a per-worker resource: worker ``i`` always maps to the resource on ``i``."""
 
-    def __init__(self, resource_id: int) -> None:
+    def __init__(self, resource_id: int, builds: Any = None) -> None:
         self.resource_id = resource_id
+        #: The coordinator's record of how the resource's builds ended (``Cluster``'s; None: not kept).
+        self.builds = builds
 
     @property
     def values(self) -> tuple[Any, ...]:  # pragma: no cover - informational

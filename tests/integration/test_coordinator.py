@@ -19,7 +19,7 @@ import pytest
 
 import jaxdist
 from jaxdist.cluster_coordinator.remote_value import RemoteValue, RemoteValueStatus
-from jaxdist.errors import CancelledError, ClosureError, OutOfRangeError
+from jaxdist.errors import CancelledError, ClosureError, OutOfRangeError, PerWorkerInputError
 from jaxdist.testing import InProcessCluster, poll_for
 from jaxdist.transport.credentials import Credentials
 from jaxdist.worker.coordinator_client import CoordinatorClient
@@ -212,6 +212,47 @@ def test_per_worker_dataset_input_context_and_end_of_data(env) -> None:  # type:
     assert any(_failed_with(rv, OutOfRangeError) for rv in rvs)
 
 
+def test_a_dataset_function_that_raises_fails_create_per_worker_dataset(env) -> None:  # type: ignore[no-untyped-def]
+    """TF raises a bad dataset function at ``create_per_worker_dataset``; nothing is left pending."""
+    strategy, coord = env
+    poll_for(lambda: all(w["healthy"] for w in coord.status()), 30, what="both workers configured")
+
+    def bad_fn(ctx: jaxdist.InputContext) -> list[int]:
+        raise UserError(f"no data for pipeline {ctx.input_pipeline_id}")
+
+    with pytest.raises(PerWorkerInputError, match="no data for pipeline") as info:
+        coord.create_per_worker_dataset(bad_fn)
+    assert isinstance(info.value.__cause__, UserError)  # the function's own exception travels with it
+    assert info.value.task.startswith("worker:")
+    # The failure is not held for a later, unrelated call.
+    assert coord.schedule(lambda: 1).fetch() == 1
+    coord.join()
+    assert coord.done()
+
+
+def test_a_failed_per_worker_input_fails_only_its_consumers(env) -> None:  # type: ignore[no-untyped-def]
+    """A per-worker input that fails on the workers (here its iterator) fails the closures that consume
+    it, with the input's error; closures that do not use it, and join, are unaffected (TF's contract)."""
+    strategy, coord = env
+
+    class Unreadable:
+        def __iter__(self) -> Iterator[int]:
+            raise UserError("shard is unreadable")
+
+    it = iter(coord.create_per_worker_dataset(lambda: Unreadable()))
+    rvs = [coord.schedule(lambda x: x * 2, args=(i,)) for i in range(10)]
+    coord.join()  # the failed iterators are nobody's business yet
+    assert [rv.fetch() for rv in rvs] == [2 * i for i in range(10)]
+    consumer = coord.schedule(lambda iterator: next(iterator), args=(it,))
+    with pytest.raises(PerWorkerInputError, match="shard is unreadable") as info:
+        coord.join()
+    assert isinstance(info.value.__cause__, UserError)
+    with pytest.raises(PerWorkerInputError):
+        consumer.fetch()
+    assert coord.schedule(lambda: 3).fetch() == 3  # the error was raised once; the job goes on
+    coord.join()
+
+
 def test_per_worker_values_argument(env) -> None:  # type: ignore[no-untyped-def]
     strategy, coord = env
     pwv = jaxdist.PerWorkerValues(["zero", "one"])
@@ -254,6 +295,88 @@ def test_jit_compiles_once_per_worker(env) -> None:  # type: ignore[no-untyped-d
     rvs = [coord.schedule(run, args=(float(i),)) for i in range(20)]
     coord.join()
     assert max(rv.fetch() for rv in rvs) == 1
+
+
+def test_strategy_run_of_a_function_defined_in_the_closure_compiles_once(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's ``testStrategyRun``, ported literally: ``replica_fn`` is defined inside the scheduled function,
+    so every closure makes a new function object; ``run`` keys it by code and captured values and
+    compiles it once per worker: here both in-process workers share this process's local strategy, and
+    each holds its own unpickled copy of the closure (so of the captured array): two compiles at most."""
+    strategy, coord = env
+    offset = np.float32(1.0)
+    before = coord.schedule(lambda: strategy.trace_count).fetch()
+
+    def worker_fn(x: float) -> tuple[float, int]:
+        def replica_fn(v: Any) -> Any:
+            return v + offset
+
+        out = strategy.run(replica_fn, args=(jnp.float32(x),))
+        return float(strategy.experimental_local_results(out)[0]), strategy.trace_count
+
+    rvs = [coord.schedule(worker_fn, args=(float(i),)) for i in range(40)]
+    coord.join()
+    results = [rv.fetch() for rv in rvs]
+    assert [r[0] for r in results] == [i + 1.0 for i in range(40)]
+    assert 1 <= max(r[1] for r in results) - before <= coord.num_workers  # 40 without the code-keyed cache
+
+
+def test_metrics_under_the_parameter_server_strategy(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's PS tutorial: the accuracy metric is made in the strategy's scope, updated in closures and read
+    on the coordinator. Its totals live on the PS; the result is exact over every closure's batch."""
+    strategy, coord = env
+    rng = np.random.default_rng(0)
+    batches = [(rng.integers(0, 3, size=8), rng.normal(size=(8, 3)).astype(np.float32)) for _ in range(12)]
+    with strategy.scope():
+        accuracy = jaxdist.metrics.SparseCategoricalAccuracy()
+        loss = jaxdist.metrics.Mean(name="loss")
+    assert all(isinstance(v, jaxdist.metrics.PSAccumulator) for v in accuracy.variables)
+
+    def step(labels: np.ndarray, logits: np.ndarray) -> None:
+        preds = strategy.run(lambda x: x * 1.0, args=(jnp.asarray(logits),))  # computed on the worker
+        logits_local = np.asarray(strategy.experimental_local_results(preds)[0])
+        accuracy.update_state(labels, logits_local)
+        loss.update_state(np.abs(logits_local).sum(axis=1))
+
+    for labels, logits in batches:
+        coord.schedule(step, args=(labels, logits))
+    coord.join()
+    labels_all = np.concatenate([b[0] for b in batches])
+    logits_all = np.concatenate([b[1] for b in batches])
+    expected = float(np.mean(np.argmax(logits_all, axis=1) == labels_all))
+    assert float(accuracy.result()) == pytest.approx(expected, abs=1e-6)
+    assert float(loss.result()) == pytest.approx(float(np.abs(logits_all).sum(axis=1).mean()), rel=1e-5)
+    accuracy.reset_state()
+    assert float(accuracy.result()) == 0.0
+    assert float(coord.schedule(lambda: float(accuracy.result())).fetch()) == 0.0  # readable in closures too
+
+    # TF's tutorial form: update_state inside replica_fn, under the PS strategy's run (compiled on the
+    # worker's devices); the replicas' increments are pushed when run returns. The replica_fn made anew
+    # in every closure still compiles once per worker (the metric is among its captured values).
+    def tutorial_step(labels: np.ndarray, logits: np.ndarray) -> None:
+        def replica_fn(y: Any, x: Any) -> Any:
+            accuracy.update_state(y, x)
+            return jnp.sum(x)
+
+        strategy.run(replica_fn, args=(jnp.asarray(labels), jnp.asarray(logits)))
+
+    before = coord.schedule(lambda: strategy.trace_count).fetch()
+    for labels, logits in batches:
+        coord.schedule(tutorial_step, args=(labels, logits))
+    coord.join()
+    assert float(accuracy.result()) == pytest.approx(expected, abs=1e-6)
+    # The batch goes to run undistributed, so every replica counts it (as TF): the sum of the replicas'
+    # increments arrived, not one replica's.
+    replicas = coord.schedule(lambda: strategy.local_num_replicas).fetch()
+    assert float(accuracy.count.value()) == len(labels_all) * replicas
+    assert coord.schedule(lambda: strategy.trace_count).fetch() - before <= coord.num_workers
+
+    def inside_jit(labels: np.ndarray, logits: np.ndarray) -> None:
+        jax.jit(accuracy.update_state)(jnp.asarray(labels), jnp.asarray(logits))
+
+    rv = coord.schedule(inside_jit, args=batches[0])
+    with pytest.raises(jaxdist.errors.ConfigurationError, match="compiled"):
+        coord.join()
+    assert _failed_with(rv, jaxdist.errors.ConfigurationError)
 
 
 def test_paused_dispatch_is_a_quiet_point(env) -> None:  # type: ignore[no-untyped-def]

@@ -290,3 +290,29 @@ def test_remote_value_wakes_a_waiter_made_before_it_settles() -> None:
     t.join(30)
     assert got == [True] and rv.done() and rv.status is RemoteValueStatus.READY
     assert rv.wait(0) and rv.fetch(0) is None
+
+
+def test_a_failure_counted_without_recording_fails_nothing_else() -> None:
+    """mark_failed(record=False) (a per-worker input that failed): counted, but no job error: queued
+    closures stay queued and wait() returns."""
+    q = ClosureQueue()
+    failing, queued = Closure(lambda: None), Closure(lambda: None)
+    q.put(failing)
+    q.put(queued)
+    assert q.take(0) == [failing]
+    q.mark_failed(ValueError("input"), record=False)
+    assert q.failed == 1 and not q.has_error() and q.queued == 1
+    assert q.take(0) == [queued]
+    q.mark_finished()
+    assert q.wait(timeout=5)
+
+
+def test_on_settled_is_told_once_how_a_closure_ended() -> None:
+    seen: list[BaseException | None] = []
+    ok, failed, cancelled = (Closure(lambda: None, on_settled=seen.append) for _ in range(3))
+    ok.succeed(b"")
+    err = ValueError("x")
+    failed.fail(err)
+    failed.cancel(CancelledError("late"))  # settled already: not told again
+    cancelled.cancel(CancelledError("c"))
+    assert seen[:2] == [None, err] and isinstance(seen[2], CancelledError) and len(seen) == 3

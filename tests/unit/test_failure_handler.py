@@ -203,6 +203,18 @@ def test_skipped_closures_go_back_unrun() -> None:
     assert out == [fh.Fail(bad, err), fh.ReturnUnrun(skipped)]
 
 
+def test_a_resource_closure_error_fails_its_input_not_the_job() -> None:
+    """A per-worker dataset function that raised: InputFailed (no job error; its consumers fail),
+    while the same error of an ordinary closure is a Fail (the job's error)."""
+    h, _ = healthy()
+    build, user = Closure(noop, resource_id=7), Closure(noop)
+    err = E.PerWorkerInputError("per-worker input 7 failed to build on worker:0", 7, "worker:0")
+    out = h.closures_returned(0, [report(build, Outcome.ERROR, err)])
+    assert out == [fh.InputFailed(build, err)]
+    assert h.is_healthy(0)
+    assert h.closures_returned(0, [report(user, Outcome.ERROR, err)]) == [fh.Fail(user, err)]
+
+
 def test_resource_unknown_retries_and_declares_the_worker_dead() -> None:
     h, _ = healthy()
     c = Closure(noop)

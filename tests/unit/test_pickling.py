@@ -53,3 +53,18 @@ def test_payloads_are_deterministic_for_one_definition() -> None:
         return a + 1
 
     assert pickling.dumps(fn) == pickling.dumps(fn)  # the workers cache functions by the payload's digest
+
+
+def test_a_per_worker_input_error_travels_with_its_cause() -> None:
+    """PerWorkerInputError pickles its __cause__ (exceptions do not by themselves): the consumer's error
+    on the coordinator still says what the dataset function raised."""
+    import pickle
+
+    from jaxdist.errors import PerWorkerInputError
+
+    err = PerWorkerInputError("per-worker input 3 failed to build on worker:1: KeyError: 'x'", 3, "worker:1")
+    err.__cause__ = KeyError("x")
+    back = pickle.loads(pickling.dumps(err))
+    assert type(back) is PerWorkerInputError and str(back) == str(err)
+    assert (back.resource_id, back.task) == (3, "worker:1")
+    assert isinstance(back.__cause__, KeyError) and back.__cause__.args == ("x",)

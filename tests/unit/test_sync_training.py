@@ -218,6 +218,48 @@ def test_rebinding_a_captured_global_retraces(caplog: pytest.LogCaptureFixture) 
     SCALE = 1.0
 
 
+def test_a_function_defined_inside_the_caller_compiles_once() -> None:
+    """TF's ``testStrategyRun`` pattern: ``replica_fn`` is made anew on every call of the outer function.
+
+    ``run`` keys it by its code and what it captures (as ``tf.function``), so 50 calls trace once; a
+    changed captured value (a scalar, or another array object) traces again and its value is used."""
+    s = jaxdist.OneDeviceStrategy(0)
+    x = jnp.ones(2)
+    w = jnp.full(2, 2.0)
+
+    def step(scale: float, weights: Any) -> Any:
+        def helper(v: Any) -> Any:  # a second function made anew each call, read by replica_fn
+            return v * weights
+
+        def replica_fn(v: Any, offset: float = scale) -> Any:
+            return helper(v) * scale + offset
+
+        return s.run(replica_fn, args=(x,))
+
+    before = s.trace_count
+    for _ in range(50):
+        assert float(step(1.0, w)[0]) == 3.0
+    assert s.trace_count == before + 1  # one compile for 50 function objects
+    assert float(step(2.0, w)[0]) == 6.0  # a captured scalar changed: traced again, new value used
+    assert s.trace_count == before + 2
+    assert float(step(2.0, w)[0]) == 6.0
+    assert s.trace_count == before + 2
+    w2 = jnp.full(2, 3.0)  # another array object (unhashable): keyed by identity, so traced again
+    assert float(step(1.0, w2)[0]) == 4.0
+    assert s.trace_count == before + 3
+    assert float(step(1.0, w)[0]) == 3.0  # the first array object again: its program is still cached
+    assert s.trace_count == before + 3
+    # 1 and 1.0 and True are different constants to a trace: not the same key.
+    assert float(step(1, w)[0]) == 3.0
+    assert s.trace_count == before + 4
+    # numpy scalars are keyed by type and value: a new np.float32(1.0) object each call compiles once.
+    for _ in range(3):
+        assert float(step(np.float32(1.0), w)[0]) == 3.0
+    assert s.trace_count == before + 5
+    assert float(step(np.float32(2.0), w)[0]) == 6.0
+    assert s.trace_count == before + 6
+
+
 # -- Optimizer state layout ----------------------------------------------------------------------------
 
 
@@ -259,6 +301,24 @@ def test_optimizer_with_whole_tree_state_checkpoints_by_name(tmp_path: Path) -> 
 
 
 # -- metrics against scikit-learn ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [jaxdist.get_strategy, lambda: jaxdist.OneDeviceStrategy(0), jaxdist.MirroredStrategy, jaxdist.CentralStorageStrategy],
+    ids=["default", "one_device", "mirrored", "central_storage"],
+)
+def test_metrics_are_made_and_updated_under_every_synchronous_strategy(make: Any) -> None:
+    """jaxdist.metrics in each synchronous strategy's scope, updated inside its run (the
+    ParameterServerStrategy's case is in tests/integration/test_coordinator.py)."""
+    strategy = make()
+    y = np.array([0, 1, 2, 1], np.int32)
+    logits = np.eye(3, dtype=np.float32)[[0, 1, 1, 1]]
+    with strategy.scope():
+        acc, mean = jaxdist.metrics.SparseCategoricalAccuracy(), jaxdist.metrics.Mean()
+    strategy.run(lambda a, b: (acc.update_state(a, b), mean.update_state(b[:, 0]))[-1], args=(jnp.asarray(y), jnp.asarray(logits)))
+    assert float(acc.result()) == pytest.approx(0.75)
+    assert float(mean.result()) == pytest.approx(0.25)
 
 
 def test_metrics_match_sklearn_with_a_short_last_batch() -> None:
