@@ -26,7 +26,8 @@ is the guide's code. What makes it work under every synchronous strategy:
   inside ``strategy.run`` all-reduce the gradients (sum) before Keras's update rule runs, so with
   losses scaled by :func:`jaxdist.compute_average_loss` every replica applies the global batch's
   gradient. An optimizer that is not built yet is built (outside the trace, on the variables'
-  strategy) at its first ``apply_gradients``, as in TF.
+  strategy) at its first ``apply_gradients``, as in TF; under a multi-process strategy that raises
+  (build it in the scope first: creating a variable there needs every process outside the step).
 - **Stateless metric updates are aggregated too**: ``metric.stateless_update_state(vars, ...)``
   inside ``strategy.run`` returns values combined by each variable's aggregation, as above.
 - **Losses.** A Keras loss called inside ``strategy.run`` of a synchronous strategy must have
@@ -276,6 +277,15 @@ def _build_outside_trace(optimizer: Any, variables: list[Any]) -> None:
 
     strategy = _strategy_of(variables[0]) if variables else None
     dist = distribution_for(strategy) if strategy is not None else None
+    if getattr(dist, "multi_process", False):
+        # Keras places each new variable with a check across processes (multihost_utils), which JAX refuses
+        # inside a trace.
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r} is first used inside {type(strategy).__name__}.run, whose replicas "
+            "span several processes: build it before the loop, in strategy.scope() "
+            "(optimizer.build(model.trainable_variables)); creating its variables needs every process outside "
+            "the compiled step"
+        )
     with ctx_lib.outside_frames(), compat.outside_stateless_scope(), jax.ensure_compile_time_eval():
         with dist.scope() if dist is not None else contextlib.nullcontext():
             optimizer.build(variables)

@@ -94,14 +94,19 @@ def _result(parts: dict[str, Any], losses: list[list[float]], epochs: list[dict[
     }
 
 
-def _guide(strategy: Any, compiled: bool = True) -> dict[str, Any]:
-    """TF's guide, stateful, as written (JAX's value_and_grad over stateless_call for the gradient)."""
+def _guide(strategy: Any, compiled: bool = True, build_optimizer: bool = False) -> dict[str, Any]:
+    """TF's guide, stateful, as written (JAX's value_and_grad over stateless_call for the gradient); the optimizer
+    is built by its first apply_gradients, inside strategy.run, unless ``build_optimizer`` (in the scope: what a
+    multi-process strategy needs)."""
     import jax
 
     import jaxdist
 
     p = _parts(strategy)
     model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
+    if build_optimizer:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
     test_loss, train_accuracy, test_accuracy = p["test_loss"], p["train_accuracy"], p["test_accuracy"]
 
     def compute_loss(labels: Any, predictions: Any) -> Any:
