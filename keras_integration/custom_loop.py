@@ -227,12 +227,26 @@ class FrameScope(keras.StatelessScope):
 
     def get_current_value(self, variable: Any) -> Any:
         _stored(variable)  # a variable created inside the trace has no value to thread: say what to do
+        _refuse_ps_variable(variable)
         return view_of(variable).value()
 
     def add_update(self, update: Any) -> None:
         variable, value = update
         view = view_of(variable)
         view.assign(aggregate_update(variable, view.value(), value), read_value=False)
+
+
+def _refuse_ps_variable(variable: Any) -> None:
+    from jaxdist.keras.ps_model import ps_strategy_of_variable
+
+    ps = ps_strategy_of_variable(variable)
+    if ps is not None:
+        raise ConfigurationError(
+            f"Keras variable {variable.path!r} belongs to a model built in {type(ps).__name__}.scope(): its training "
+            "state lives on the parameter servers, which strategy.run / jaxdist.function do not read or update. "
+            "Train such a model with model.fit / evaluate (they dispatch closures through a ClusterCoordinator), "
+            "or write the custom loop with jaxdist.create_variables, jaxdist.pull and jaxdist.apply_gradients"
+        )
 
 
 @contextlib.contextmanager

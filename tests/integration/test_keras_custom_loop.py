@@ -400,6 +400,29 @@ def variables_follow_their_keras_aggregation() -> None:
     assert float(layer.first.numpy()) == x[0, 0]
 
 
+@check
+def parameter_server_model_in_a_custom_loop_is_refused() -> None:
+    """A Keras model built in ParameterServerStrategy.scope() keeps its state on the PS: compiled code on the
+    coordinator that reads it raises ConfigurationError naming fit and jaxdist.pull, not JAX's mesh error."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+    from jaxdist.errors import ConfigurationError
+    from jaxdist.testing import InProcessCluster
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        try:
+            jaxdist.function(lambda x: model(x))(np.ones((4, 4), np.float32))
+        except ConfigurationError as e:
+            assert "ParameterServerStrategy.scope()" in str(e) and "jaxdist.pull" in str(e), str(e)
+        else:
+            raise AssertionError("no ConfigurationError")
+
+
 @pytest.fixture(scope="module")
 def check_results() -> dict[str, str | None]:
     return CHECKS.collect()
