@@ -90,6 +90,7 @@ import keras  # noqa: E402,F401  (after the backend is chosen)
 
 from jaxdist.keras.backup import BackupAndRestore  # noqa: E402
 from jaxdist.keras.checkpoint import ModelCheckpoint  # noqa: E402
+from jaxdist.keras.custom_loop import install_custom_loop_support  # noqa: E402
 from jaxdist.keras.data import Batches, DatasetCreator  # noqa: E402
 from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
@@ -105,6 +106,8 @@ from jaxdist.keras_bridge import SCOPE_HOOK  # noqa: E402
 from jaxdist.sync.hooks import register_scope_hook  # noqa: E402
 
 install_data_placement()
+# Keras models, optimizers, metrics and losses inside strategy.run / jaxdist.function (TF's custom training loop).
+install_custom_loop_support()
 # Every strategy.scope() enters the strategy's Keras distribution from now on (the sync core's scope hook;
 # this replaces the stand-in that `import jaxdist` registered, jaxdist.keras_bridge.scope_hook).
 register_scope_hook(SCOPE_HOOK, keras_scope)

@@ -33,6 +33,7 @@ Checks (so a Keras upgrade fails in one place, naming what changed):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
@@ -47,7 +48,9 @@ import keras
 from jaxdist.base.errors import ConfigurationError
 
 try:
+    from keras.src.backend.common import global_state
     from keras.src.backend.jax.trainer import JAXEpochIterator, JAXTrainer
+    from keras.src.losses import loss as keras_loss_module
     from keras.src.distribution.distribution_lib import Distribution
     from keras.src.trainers.data_adapters import data_adapter_utils
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
@@ -75,9 +78,11 @@ __all__ = [
     "get_random_seed",
     "inbound_node_count",
     "initial_epoch",
+    "install_custom_loop_patches",
     "install_trainer_patches",
     "loss_and_updates",
     "markdown_table",
+    "outside_stateless_scope",
     "pack_x_y_sample_weight",
     "raw_learning_rate",
     "set_initial_epoch",
@@ -89,6 +94,7 @@ __all__ = [
     "symbolic_build",
     "unpack_x_y_sample_weight",
     "update_metrics_variables",
+    "variable_layout",
 ]
 
 #: What an entry is (see the module docstring).
@@ -179,6 +185,21 @@ INTERNALS: tuple[Internal, ...] = (
         use="a PS worker's step re-packs a batch whose ids were renumbered into a compact embedding table",
         used_by=("jaxdist.keras.ps_worker",),
         signature="(x, y=None, sample_weight=None)",
+    ),
+    Internal(
+        path="keras.src.backend.common.global_state.get_global_attribute",
+        kind="import",
+        use="reads the current Keras StatelessScope, to leave it while an optimizer first used inside strategy.run "
+            "is built eagerly (outside the trace)",
+        used_by=("jaxdist.keras.custom_loop",),
+        signature="(name, default=None, set_to_default=False)",
+    ),
+    Internal(
+        path="keras.src.backend.common.global_state.set_global_attribute",
+        kind="import",
+        use="leaves the current Keras StatelessScope for that build, and restores it after",
+        used_by=("jaxdist.keras.custom_loop",),
+        signature="(name, value)",
     ),
     Internal(
         path="keras.src.utils.rng_utils.get_random_seed",
@@ -374,6 +395,31 @@ INTERNALS: tuple[Internal, ...] = (
         signature="(self, force=False)",
     ),
     Internal(
+        path="keras.optimizers.Optimizer.apply",
+        kind="replaced",
+        use="what apply_gradients and stateless_apply call: inside a synchronous strategy's run it first sums the "
+            "replicas' gradients (TF's contract), and builds an optimizer first used there outside the trace",
+        used_by=("jaxdist.keras.custom_loop",),
+        signature="(self, grads, trainable_variables=None)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.stateless_update_state",
+        kind="replaced",
+        use="inside a synchronous strategy's run the new metric values are combined across replicas by each "
+            "variable's aggregation (metrics exact over the global batch)",
+        used_by=("jaxdist.keras.custom_loop",),
+        signature="(self, metric_variables, *args, **kwargs)",
+    ),
+    Internal(
+        path="keras.src.losses.loss.reduce_weighted_values",
+        kind="replaced",
+        use="how every Keras loss's __call__ reduces its per-example values (looked up as a module global at each "
+            "call): inside a synchronous strategy's run a reduction that averages over the replica's examples is "
+            "refused (TF refuses it too): reduction=None with jaxdist.compute_average_loss is what sums right",
+        used_by=("jaxdist.keras.custom_loop",),
+        signature="(values, sample_weight=None, mask=None, reduction='sum_over_batch_size', dtype=None)",
+    ),
+    Internal(
         path="keras.Model.train_function",
         kind="replaced",
         use="the step Keras's fit loop calls as train_function(state, iterator) -> (logs, state): wrapped by the "
@@ -466,11 +512,20 @@ INTERNALS: tuple[Internal, ...] = (
         on_instance=True,
     ),
     Internal(
+        path="keras.Variable._layout",
+        kind="private",
+        use="the layout Keras gave a variable (None outside a distribution): its device mesh tells which jaxdist "
+            "strategy's scope made it (an optimizer's slots take their model variable's), for strategy.run",
+        used_by=("jaxdist.keras.distribution",),
+        on_instance=True,
+    ),
+    Internal(
         path="keras.Variable._value",
         kind="private",
         use="the array a variable holds, None while Keras's fit holds the state itself (.value would fall back to "
-            "the initializer): its sharding tells which strategy's replicas hold a model",
-        used_by=("jaxdist.keras.distribution",),
+            "the initializer): its sharding tells which strategy's replicas hold a model; inside strategy.run it is "
+            "the value the compiled program takes (None: the variable was created inside the trace, refused)",
+        used_by=("jaxdist.keras.distribution", "jaxdist.keras.custom_loop"),
         on_instance=True,
     ),
     # -- public-named members of the private JAX backend -------------------------------------------
@@ -589,6 +644,11 @@ def stored_value(variable: Any) -> Any:
     return getattr(variable, "_value", None)
 
 
+def variable_layout(variable: Any) -> Any:
+    """The layout Keras gave ``variable`` (a ``TensorLayout``), or None (made outside any distribution)."""
+    return getattr(variable, "_layout", None)
+
+
 def loss_and_updates(model: Any) -> Callable[..., Any]:
     """``model.compute_loss_and_updates`` (JAX backend): ``(trainable, non_trainable, metrics, x, y, sample_weight,
     training=, optimizer_variables=) -> (loss, (unscaled_loss, y_pred, non_trainable, metrics))``."""
@@ -682,6 +742,44 @@ def install_trainer_patches(
         original_make = getattr(JAXTrainer, make_name)
         _originals[f"{_TRAINER}.{make_name}"] = original_make
         setattr(JAXTrainer, make_name, _after_make(original_make, kind, attribute, step))
+
+
+#: What :func:`install_custom_loop_patches` replaces: (registry path, class, attribute).
+CUSTOM_LOOP_TARGETS = (
+    ("keras.optimizers.Optimizer.apply", keras.optimizers.Optimizer, "apply"),
+    ("keras.metrics.Metric.stateless_update_state", keras.metrics.Metric, "stateless_update_state"),
+    ("keras.src.losses.loss.reduce_weighted_values", keras_loss_module, "reduce_weighted_values"),
+)
+
+
+def install_custom_loop_patches(
+    optimizer_apply: Callable[[Any], Any],
+    metric_stateless_update: Callable[[Any], Any],
+    loss_reduction: Callable[[Any], Any],
+) -> None:
+    """Replace ``Optimizer.apply``, ``Metric.stateless_update_state`` and the loss reduction (call once).
+
+    Each argument is ``(keras_original) -> replacement``, called with the function Keras defines.
+    The methods are replaced on the public class (its subclasses inherit the replacement; a subclass
+    that overrides the method keeps its own, which usually calls the base's); the loss reduction is
+    the module function ``keras.src.losses.loss.reduce_weighted_values``, which ``Loss.__call__``
+    looks up at each call.
+    """
+    for (path, cls, name), make in zip(CUSTOM_LOOP_TARGETS, (optimizer_apply, metric_stateless_update, loss_reduction)):
+        original = getattr(cls, name)
+        _originals[path] = original
+        setattr(cls, name, functools.wraps(original)(make(original)))
+
+
+@contextlib.contextmanager
+def outside_stateless_scope() -> Iterator[None]:
+    """No Keras StatelessScope is current for the block (the current one, if any, is restored after)."""
+    scope = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", scope)
 
 
 def _after_make(make: Any, kind: str, attribute: str, step: Callable[[Any, str, Any], Any]) -> Any:

@@ -94,6 +94,7 @@ class StrategyDistribution(DataParallel):
         self._gather = jax.jit(lambda a: a, out_shardings=self._replicated)
         with _registry_lock:
             _by_mesh[jax_mesh] = self
+            _by_device_mesh[id(self.device_mesh)] = self
 
     @property
     def strategy(self) -> Any:
@@ -220,12 +221,28 @@ _installed = False
 _registry_lock = threading.Lock()
 #: The distribution of each mesh jaxdist made (strategies over the same devices place alike; the latest wins).
 _by_mesh: weakref.WeakValueDictionary[Any, StrategyDistribution] = weakref.WeakValueDictionary()
+#: The distribution of each Keras DeviceMesh jaxdist made, by id (one per strategy: a variable's layout names it).
+_by_device_mesh: weakref.WeakValueDictionary[int, StrategyDistribution] = weakref.WeakValueDictionary()
 
 def _first_sharding(model: Any) -> Any:
     for v in model.variables:
         # None while Keras holds the state itself (mid-fit); .value would fall back to the initializer.
         return getattr(compat.stored_value(v), "sharding", None)
     return None
+
+
+def variable_distribution(variable: Any) -> StrategyDistribution | None:
+    """The StrategyDistribution Keras ``variable`` was created under (None: none of jaxdist's).
+
+    Keras gives every variable made while a distribution is current that distribution's layout (an
+    optimizer's slots take their model variable's), whose mesh is the distribution's own.
+    """
+    mesh = getattr(compat.variable_layout(variable), "device_mesh", None)
+    if mesh is None:
+        return None
+    with _registry_lock:
+        dist = _by_device_mesh.get(id(mesh))
+    return dist if dist is not None and dist.device_mesh is mesh else None
 
 
 def model_distribution(model: Any) -> StrategyDistribution | None:
@@ -301,11 +318,15 @@ def _step_function(model: Any, kind: str, inner: Any) -> Any:
 #: Two steps ahead keeps the next step's dispatch overlapped with this one's compute.
 MAX_STEPS_IN_FLIGHT = 2
 
+#: The step functions jaxdist made by wrapping Keras's (not wrapped again when Keras hands one back).
+_BOUNDED: weakref.WeakSet[Any] = weakref.WeakSet()
+_GATHERING: weakref.WeakSet[Any] = weakref.WeakSet()
+
 
 def _bounded_in_flight(inner: Any) -> Any:
     """Under a StrategyDistribution, ``inner`` wrapped so that it waits for the step ``MAX_STEPS_IN_FLIGHT``
     calls back before returning (its outputs: the state is donated); else ``inner`` itself."""
-    if not isinstance(keras.distribution.distribution(), StrategyDistribution) or getattr(inner, "_jaxdist_bounded", False):
+    if not isinstance(keras.distribution.distribution(), StrategyDistribution) or inner in _BOUNDED:
         return inner
     pending: collections.deque[Any] = collections.deque()
 
@@ -316,7 +337,7 @@ def _bounded_in_flight(inner: Any) -> Any:
             jax.block_until_ready(pending.popleft())
         return outputs, new_state
 
-    step_function._jaxdist_bounded = True  # type: ignore[attr-defined]
+    _BOUNDED.add(step_function)
     return step_function
 
 
@@ -324,13 +345,13 @@ def _fetchable_predictions(inner: Any) -> Any:
     """In a multi-process job, ``inner`` (the predict step) wrapped so that its outputs are gathered to every
     process (Keras turns them into numpy); else ``inner`` itself."""
     dist = keras.distribution.distribution()
-    if isinstance(dist, StrategyDistribution) and dist.multi_process and not getattr(inner, "_jaxdist_gathers", False):
+    if isinstance(dist, StrategyDistribution) and dist.multi_process and inner not in _GATHERING:
 
         def predict_function(state: Any, iterator: Any) -> Any:
             outputs, state = inner(state, iterator)
             return dist.fetchable(outputs), state
 
-        predict_function._jaxdist_gathers = True  # type: ignore[attr-defined]
+        _GATHERING.add(predict_function)
         return predict_function
     return inner
 

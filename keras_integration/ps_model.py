@@ -98,6 +98,14 @@ def ps_strategy_of(model: Any) -> Any:
     return None
 
 
+def ps_strategy_of_variable(variable: Any) -> Any:
+    """The ParameterServerStrategy in whose scope Keras ``variable`` was made (None: not in one's scope)."""
+    with _lock:
+        if _owned.get(id(variable)) is variable:
+            return _owner[id(variable)].strategy
+    return None
+
+
 def _safe(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-/]", "_", path)
 

@@ -30,6 +30,7 @@ import jax
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.sync import context as ctx_lib
+from jaxdist.sync.hooks import entered_trace_hooks
 from jaxdist.sync.variables import GlobalFrame, SyncVariable
 
 if TYPE_CHECKING:
@@ -111,7 +112,7 @@ class Function:
     def _call(self, frame: GlobalFrame, tree: Any, dyn_mask: tuple[bool, ...], statics: tuple, dyn: Any) -> Any:
         it_d, it_s = iter(dyn), iter(statics)
         args, kwargs = jax.tree.unflatten(tree, [next(it_d) if d else next(it_s) for d in dyn_mask])
-        with ctx_lib.enter_frame(frame):
+        with ctx_lib.enter_frame(frame), entered_trace_hooks(None):
             out = self._fn(*args, **kwargs)
         if any(isinstance(x, SyncVariable) for x in jax.tree.leaves(out)):
             raise TypeError("a jaxdist.function returned a variable: return its value (var.value())")

@@ -41,6 +41,7 @@ from jaxdist.sync import context as ctx_lib
 from jaxdist.sync._varying import varying_outputs
 from jaxdist.sync.declare import FIX_HINT
 from jaxdist.sync.engine import AXIS, MeshEngine, SyncEngine
+from jaxdist.sync.hooks import entered_trace_hooks, trace_hooks
 from jaxdist.sync.programs import RETRACE_WARN_AFTER, Program, captures, changed_capture, fn_key
 from jaxdist.sync.values import PerReplica, is_array_like, is_per_replica, is_tracer
 from jaxdist.sync.variables import GlobalFrame, ReplicaFrame, SyncVariable, under_foreign_trace
@@ -51,6 +52,15 @@ __all__ = ["run_program", "stack_batches", "default_run_stacked"]
 
 #: How ``run`` passes each leaf of its arguments into the compiled step (part of the program's cache key).
 _PER_REPLICA, _REPLICATED, _STATIC, _ROWS = "per_replica", "replicated", "static", "rows"
+
+
+#: What the error for a mirrored variable assigned per-replica values tells to do (a variable class may say
+#: something more precise: :attr:`SyncVariable.varying_assign_hint`).
+_VARYING_ASSIGN_HINT = (
+    "All-reduce the update first (jaxdist.get_replica_context().all_reduce('sum', grads)), let "
+    "jaxdist.Optimizer apply the gradients (it all-reduces them as TF's optimizers do), or create the "
+    "variable with aggregation='sum'/'mean'"
+)
 
 
 @dataclass
@@ -365,7 +375,7 @@ def _build(
         full = [next(it_static) if k == _STATIC else next(it_dyn) for k in kinds if k != _ROWS]
         args, kwargs = jax.tree.unflatten(in_tree, full)
         rctx = ctx_lib.ReplicaContext(strategy, AXIS, local[n_args] if has_rows else None, padded)
-        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx):
+        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx), entered_trace_hooks(strategy):
             out = fn(*args, **kwargs)
         flat, tree = jax.tree.flatten(out, is_leaf=is_per_replica)
         if any(isinstance(leaf, PerReplica) for leaf in flat):
@@ -376,7 +386,9 @@ def _build(
         return flat, rctx
 
     touched: list[SyncVariable] = []
-    if parent is not None or len(engine.variables):
+    # A trace hook's objects (Keras variables, once jaxdist.keras is imported) may be variables of the frame
+    # even when the strategy has none of its own: discover them too.
+    if parent is not None or len(engine.variables) or trace_hooks():
         dframe = ReplicaFrame(strategy, AXIS, discover=True, parent=parent)
         jax.make_jaxpr(lambda *xs: call(xs, dframe)[0], axis_env=[(AXIS, r)])(*local_avals)
         touched = list(dframe.touched)
@@ -409,9 +421,7 @@ def _build(
             raise ConfigurationError(
                 f"strategy.run({getattr(fn, '__name__', fn)}) assigns the mirrored variable {v.name!r} a value that "
                 f"differs between replicas (aggregation={v.aggregation.name}): its {r} copies would drift apart. "
-                "All-reduce the update first (jaxdist.get_replica_context().all_reduce('sum', grads)), let "
-                "jaxdist.Optimizer apply the gradients (it all-reduces them as TF's optimizers do), or create the "
-                "variable with aggregation='sum'/'mean'"
+                + (v.varying_assign_hint or _VARYING_ASSIGN_HINT)
             )
     user_varying = _check_declared(fn, r, declared_box[0], out_varying, out_tree_box[0], n_user)
     out_var_spec = [v.on_read for v in assigned]
@@ -577,7 +587,7 @@ def default_run_stacked(
         it_d, it_s = iter(dargs), iter(statics)
         a, kw = jax.tree.unflatten(args_tree, [next(it_d) if d else next(it_s) for d in dyn_mask])
         rctx = ctx_lib.ReplicaContext(engine.strategy, None, n, padded)
-        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx):
+        with ctx_lib.enter_frame(frame), ctx_lib.enter_replica(rctx), entered_trace_hooks(engine.strategy):
             out = fn(b, *a, **kw)
         return out, rctx
 

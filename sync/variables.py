@@ -38,7 +38,7 @@ import enum
 import logging
 import re
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.extend.core as jcore
@@ -164,13 +164,21 @@ class SyncVariable:
     def on_read(self) -> bool:
         return self.synchronization is VariableSynchronization.ON_READ
 
+    #: What the error for this variable assigned different values on different replicas inside
+    #: ``strategy.run`` tells to do instead (None: the generic advice). A subclass standing for another
+    #: library's variables says it in that library's terms.
+    varying_assign_hint: ClassVar[str | None] = None
+
     @property
     def storage(self) -> Any:
         """The value as the strategy stores it (set by its engine and its compiled loops; read ``value()``).
 
         ON_WRITE: the replicated global value. ON_READ: ``(num_replicas, *shape)``,
         row ``r`` replica ``r``'s part. Setting it replaces the value as it
-        is, with no check: use ``assign`` to update a variable.
+        is, with no check: use ``assign`` to update a variable. Every read and
+        write of the value goes through this property, so a subclass may keep
+        the value elsewhere (:mod:`jaxdist.keras.custom_loop` keeps it in a
+        Keras variable).
         """
         return self._value
 
@@ -211,11 +219,12 @@ class SyncVariable:
 
     def _eager_read(self) -> Any:
         rep = ctx_lib.current_replica()
+        stored = self.storage
         if not self.on_read:
-            return self._value
+            return stored
         if rep is not None and rep.axis_name is None and not ctx_lib.in_merge():
-            return self._value[0]  # default strategy, replica context: the one replica's part
-        return self.distribute_strategy.engine.aggregate_on_read(self._value, self.aggregation)
+            return stored[0]  # default strategy, replica context: the one replica's part
+        return self.distribute_strategy.engine.aggregate_on_read(stored, self.aggregation)
 
     # -- writing -----------------------------------------------------------------------
 
@@ -264,17 +273,17 @@ class SyncVariable:
         local = rep is not None and rep.axis_name is None and not ctx_lib.in_merge()
         v = self._checked(value)
         if not self.on_read:
-            new = v if op == "assign" else _apply(op, self._value, v)
-            self._value = s.store_variable(self._checked(new))
+            new = v if op == "assign" else _apply(op, self.storage, v)
+            self.storage = s.store_variable(self._checked(new))
             return
         if local:  # default strategy, replica context: the one replica's part
-            new = v if op == "assign" else _apply(op, self._value[0], v)
-            self._value = s.store_on_read(jnp.asarray(new)[None])
+            new = v if op == "assign" else _apply(op, self.storage[0], v)
+            self.storage = s.store_on_read(jnp.asarray(new)[None])
             return
         # Cross-replica update of a sync-on-read variable: the logical value becomes the result.
         cur = self._eager_read()
         new = v if op == "assign" else _apply(op, cur, v)
-        self._value = s.store_on_read(_on_read_layout(jnp.asarray(new), self.aggregation, s.num_replicas))
+        self.storage = s.store_on_read(_on_read_layout(jnp.asarray(new), self.aggregation, s.num_replicas))
 
     # -- conversions -------------------------------------------------------------------
 
@@ -380,7 +389,7 @@ class VarFrame:
         """The variable's global value where this frame gets it from: the enclosing frame, or the variable."""
         if self.parent is not None:
             return self.parent.global_value(var)
-        return var._value
+        return var.storage
 
     def global_value(self, var: SyncVariable) -> Any:
         raise NotImplementedError
@@ -456,9 +465,16 @@ class ReplicaFrame(VarFrame):
 
     def _check(self, var: SyncVariable) -> None:
         if var.distribute_strategy is not self.strategy:
+            from jaxdist.sync.strategy import is_default_strategy
+
+            owner = (
+                "was created outside every strategy.scope()"
+                if is_default_strategy(var.distribute_strategy)
+                else f"belongs to {type(var.distribute_strategy).__name__}"
+            )
             raise ConfigurationError(
-                f"variable {var.name!r} belongs to {type(var.distribute_strategy).__name__}, but it is used inside "
-                f"{type(self.strategy).__name__}.run; create it in this strategy's scope"
+                f"variable {var.name!r} {owner}, but it is used inside {type(self.strategy).__name__}.run; "
+                "create it in this strategy's scope"
             )
 
     def local(self, var: SyncVariable) -> Any:
