@@ -51,7 +51,7 @@ class ZipfData:
         self.items = []
         for _ in range(batches):
             x = ((rng.zipf(1.1, size=(batch, ids)) - 1) % rows).astype(np.int32)
-            y = ((x[:, 0] * 2654435761) % 7 < 3).astype(np.float32)[:, None]
+            y = ((x[:, 0].astype(np.int64) * 2654435761) % 7 < 3).astype(np.float32)[:, None]
             self.items.append((x, y))
 
     def __call__(self, input_context: Any = None) -> Any:
@@ -74,7 +74,8 @@ def run_one(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
     opt = {"sgd": lambda: keras.optimizers.SGD(0.05), "adagrad": lambda: keras.optimizers.Adagrad(0.05),
            "adam": lambda: keras.optimizers.Adam(1e-3), "adam_lazy": lambda: keras.optimizers.Adam(1e-3)}[config]
-    data = ZipfData(args.rows, args.ids, args.batch)
+    # One epoch's batches, repeated: the timed epochs see the batches (and compact-table sizes) the first compiled.
+    data = ZipfData(args.rows, args.ids, args.batch, batches=args.steps)
     distinct = statistics.mean(len(np.unique(x)) for x, _ in data.items)
     with jaxdist.LocalCluster(num_workers=args.workers, num_ps=args.ps) as cluster:
         strategy = jaxdist.ParameterServerStrategy(
