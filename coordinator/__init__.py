@@ -76,6 +76,7 @@ from jaxdist.sync import (
     replicated,
     scale_regularization_loss,
 )
+from jaxdist.ps_server.optimizer import lazy_rows
 from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull, push_pull
 from jaxdist.worker.context import current_sync_step, current_worker_index
 
@@ -153,6 +154,7 @@ __all__ = [
     "current_worker_index",
     "embedding_lookup",
     "latest_checkpoint",
+    "lazy_rows",
     "cluster_resolver",
     "errors",
     "pull",

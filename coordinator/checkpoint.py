@@ -59,7 +59,7 @@ from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
 from jaxdist.ps_server.client import PSClient
 from jaxdist.sync import checkpointing as sync_ckpt
-from jaxdist.variables import _dtype
+from jaxdist.variables import variable_dtype
 
 if TYPE_CHECKING:
     from jaxdist.cluster_coordinator.coordinator import ClusterCoordinator
@@ -406,7 +406,7 @@ class Checkpoint:
             saved = manifest["variables"].get(name)
             if saved is None:
                 raise ConfigurationError(f"checkpoint {path} has no variable {name!r}")
-            if list(saved["shape"]) != list(var.shape) or _dtype(saved["dtype"]) != var.dtype:
+            if list(saved["shape"]) != list(var.shape) or variable_dtype(saved["dtype"]) != var.dtype:
                 raise ConfigurationError(
                     f"variable {name!r} is {list(var.shape)} {var.dtype} here but {saved['shape']} {saved['dtype']} in {path}"
                 )

@@ -348,7 +348,7 @@ class ParameterServerStrategy(PSStrategyMethods):
                 raise ValueError("an initializer needs shape and dtype")
             assert initializer is not None
             shp = tuple(int(d) for d in shape)
-            var, specs = self._plan(vname, None, shp, jv._dtype(dtype), _adapt_initializer(initializer), optimizer, trainable, if_exists)
+            var, specs = self._plan(vname, None, shp, jv.variable_dtype(dtype), _adapt_initializer(initializer), optimizer, trainable, if_exists)
         jv.create_on_ps(specs, self._conns)
         self.variables[vname] = var
         return var

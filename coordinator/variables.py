@@ -138,7 +138,12 @@ class VariableOps(abc.ABC):
         return self._update(Op.SCATTER_MAX, rows, indices)
 
     def apply_sparse_gradient(self: _V, indices: Any, rows: Any) -> _V:
-        """Push gradient rows for ``indices``; the optimizer updates only those rows (lazily)."""
+        """Push gradient rows for ``indices`` (only those rows travel).
+
+        The PS applies the variable's optimizer as to the dense gradient with
+        zeros elsewhere (exact, the default), or to those rows only when the
+        optimizer was made with :func:`jaxdist.lazy_rows`.
+        """
         return self._update(Op.SPARSE_APPLY_GRADIENT, rows, indices)
 
 
@@ -172,7 +177,7 @@ class Variable(VariableOps):
     def __setstate__(self, state: tuple[Any, ...]) -> None:
         name, shape, dtype, ps_index, trainable = state
         self.name, self.shape, self.ps_index, self.trainable = name, tuple(shape), ps_index, trainable
-        self.dtype = _dtype(dtype)
+        self.dtype = variable_dtype(dtype)
         self._conns = None
 
     def __repr__(self) -> str:
@@ -197,7 +202,8 @@ class Variable(VariableOps):
         return value.reshape(idx.shape + self.shape[1:])
 
 
-def _dtype(d: Any) -> np.dtype:
+def variable_dtype(d: Any) -> np.dtype:
+    """The numpy dtype a PS variable declared as ``d`` holds (``"bfloat16"`` names ml_dtypes' bfloat16)."""
     if isinstance(d, str) and d == "bfloat16":
         import ml_dtypes
 
@@ -206,7 +212,13 @@ def _dtype(d: Any) -> np.dtype:
 
 
 class SparseGradient:
-    """Row-sparse gradient ``(indices, rows)``: pass it to :func:`apply_gradients` for an embedding."""
+    """Row-sparse gradient ``(indices, rows)``: pass it to :func:`apply_gradients` for an embedding.
+
+    Only the rows travel. The PS applies the variable's optimizer exactly as
+    to the dense gradient with these rows (repeated indices add up) and
+    zeros elsewhere, or, for an optimizer made with :func:`jaxdist.lazy_rows`,
+    to these rows and their optimizer state only.
+    """
 
     __slots__ = ("indices", "rows")
 
@@ -415,6 +427,15 @@ def split_update(
         return [(parts[0][0], op, rows, idx)]
     shard_of, local = locate_rows(parts, var.shape[0], idx)
     out: list[ShardUpdate] = []
+    if op is Op.SPARSE_APPLY_GRADIENT:
+        # Every (non-empty) shard gets the gradient push, with no rows where the batch looked none
+        # up: each shard's optimizer steps once per push, as the whole variable's would (the exact
+        # mode's zero rows still decay moments; step counts stay equal across shards).
+        for s, (shard, _) in enumerate(parts):
+            sel = shard_of == s
+            if shard.shape[0] or sel.any():
+                out.append((shard, op, rows[sel], local[sel]))
+        return out
     for s in np.unique(shard_of):
         sel = shard_of == s
         out.append((parts[int(s)][0], op, rows[sel], local[sel]))

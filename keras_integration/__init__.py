@@ -37,7 +37,7 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
 - default strategy: Keras unchanged (one device).
 - ``ParameterServerStrategy`` (:mod:`jaxdist.keras.ps_fit`): the model's
   variables live on the PS (partitioned by ``variable_partitioner``), the
-  optimizer (SGD, Adam, RMSprop, Adagrad: Keras's own update rules) runs
+  optimizer (SGD, Adam, AdamW, Adamax, Nadam, RMSprop, Adagrad, Ftrl: Keras's own update rules) runs
   there, ``fit`` dispatches ``steps_per_execution`` steps per
   ``ClusterCoordinator`` closure. Input: ``DatasetCreator(dataset_fn)`` with
   ``steps_per_epoch`` (TF's rule), or arrays (each worker reads its shard).
@@ -45,8 +45,9 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   epoch applies exactly ``steps_per_epoch`` steps, none twice; epoch metrics
   are the exact sum of the closures' metric states. ``evaluate`` visits
   every example exactly once, also when workers die; ``predict`` runs on the
-  coordinator with the PS's weights. Row-sparse embeddings move only the
-  looked-up rows (:mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
+  coordinator with the PS's weights. Embeddings move only the looked-up
+  rows, whatever the optimizer, applied exactly (Keras's result) or lazily
+  (:func:`lazy_embeddings`; :mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
   NotImplementedError.
 
 Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
@@ -97,7 +98,7 @@ from jaxdist.keras.distribution import (  # noqa: E402
     install_data_placement,
 )
 from jaxdist.keras.export import EXPORT_FORMATS, ExportDependencyError, export_model  # noqa: E402
-from jaxdist.keras.ps_model import PSDistribution, ps_variables  # noqa: E402
+from jaxdist.keras.ps_model import PSDistribution, lazy_embeddings, ps_variables  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
@@ -128,6 +129,7 @@ __all__ = [
     "export_model",
     "install_data_placement",
     "keras_scope",
+    "lazy_embeddings",
     "ps_variables",
     "require_jax_backend",
 ]

@@ -85,6 +85,7 @@ __all__ = [
     "outside_stateless_scope",
     "pack_x_y_sample_weight",
     "raw_learning_rate",
+    "uses_weight_decay",
     "set_initial_epoch",
     "set_step_function",
     "should_eval",
@@ -520,6 +521,14 @@ INTERNALS: tuple[Internal, ...] = (
         on_instance=True,
     ),
     Internal(
+        path="keras.optimizers.Optimizer._use_weight_decay",
+        kind="private",
+        use="whether the optimizer's weight_decay applies to a variable (exclude_from_weight_decay): the PS "
+            "applies Keras's decay to the same variables",
+        used_by=("jaxdist.keras.ps_optimizers",),
+        signature="(self, variable)",
+    ),
+    Internal(
         path="keras.Variable._value",
         kind="private",
         use="the array a variable holds, None while Keras's fit holds the state itself (.value would fall back to "
@@ -637,6 +646,11 @@ def clip_gradients(optimizer: Any, grads: Any) -> Any:
 def raw_learning_rate(optimizer: Any) -> Any:
     """The learning rate as given to ``optimizer`` (a float, a variable, a schedule or a callable), or None."""
     return getattr(optimizer, "_learning_rate", None)
+
+
+def uses_weight_decay(optimizer: Any, variable: Any) -> bool:
+    """Whether Keras applies ``optimizer``'s ``weight_decay`` to ``variable`` (``exclude_from_weight_decay``)."""
+    return bool(optimizer._use_weight_decay(variable))
 
 
 def stored_value(variable: Any) -> Any:

@@ -1,25 +1,24 @@
 """Row-sparse embeddings under ParameterServerStrategy: only the rows a batch looks up move.
 
 An ``Embedding`` layer fed directly by a model input (its ids are in the
-batch) is *row-sparse* when its update rule gives the same result as
-Keras's dense update with zero gradient rows elsewhere: plain ``SGD``
-(``momentum=0``) and ``Adagrad``. For such a layer a worker step
+batch) is *row-sparse*, whatever the optimizer. For such a layer a worker step
 
 1. takes the batch's unique ids (``np.unique``) and reads only those rows
    from the PS (``sparse_read``: each row from the shard that owns it);
 2. runs the model with a compact table of those rows (padded to a power of
    two, so the step compiles O(log batch) times) and the ids renumbered into
    it: a copy of the model whose layer has ``input_dim`` = the padded row count;
-3. pushes the gradient of those rows only (a row-sparse gradient the PS
-   applies to the rows it names).
+3. pushes the gradient of those rows only (a row-sparse gradient).
 
-So a step moves ``unique ids x dim`` values for the table, whatever its
-size (1M x 64 included). Other optimizers (momentum, Adam, RMSprop) update
-every row of Keras's dense table (their moments decay everywhere), so their
-embeddings stay dense: the whole table is pulled and pushed (exactly
-Keras's result, at the table's cost); :func:`sparse_embeddings` logs which.
-Layers with ``mask_zero``, a regularizer, a constraint or LoRA, layers
-called on more than one input, and inputs passed as a dict stay dense too.
+So a step moves ``unique ids x dim`` values for the table each way, whatever
+its size (10M x 16 included). The PS applies the optimizer to those rows
+exactly (Keras's dense rule with zero gradient for the other rows, the
+default: the weights equal Keras's single-device ``fit``) or lazily (only
+those rows and their slots change: :func:`jaxdist.keras.lazy_embeddings`);
+for ``SGD`` without momentum and ``Adagrad`` the two are the same, and the
+PS works on the pushed rows only. Layers with ``mask_zero``, a regularizer,
+a constraint or LoRA, layers called on more than one input, and inputs
+passed as a dict stay dense (the whole table moves).
 """
 
 from __future__ import annotations
@@ -52,24 +51,12 @@ def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _exact_when_sparse(optimizer: Any) -> bool:
-    import keras
-
-    if type(optimizer) is keras.optimizers.SGD:
-        return float(optimizer.momentum) == 0.0
-    return type(optimizer) is keras.optimizers.Adagrad
-
-
 def sparse_embeddings(model: Any) -> list[SparseEmbedding]:
     """The model's row-sparse Embedding layers (see the module docstring); computed on the coordinator."""
     import keras
 
     layers = [layer for layer in compat.flatten_layers(model) if isinstance(layer, keras.layers.Embedding)]
     if not layers:
-        return []
-    if not _exact_when_sparse(model.optimizer):
-        logger.info("%s: embeddings stay dense (the whole table moves each step): only SGD without momentum and "
-                    "Adagrad update a row-sparse gradient exactly as Keras's dense update", type(model.optimizer).__name__)
         return []
     inputs = list(getattr(model, "inputs", None) or [])
     out = []

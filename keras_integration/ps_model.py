@@ -32,21 +32,25 @@ import numpy as np
 from keras.distribution import DeviceMesh, TensorLayout
 
 from jaxdist.base.errors import ConfigurationError
+from jaxdist.keras import compat
 from jaxdist.keras.compat import Distribution
 from jaxdist.keras.ps_embedding import sparse_embeddings
-from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, to_optax
+from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, row_local, to_optax
+from jaxdist.ps_server.optimizer import lazy_rows
 from jaxdist.keras.ps_worker import ModelSpec
 from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "ps_model", "ps_strategy_of", "ps_variables", "sync_from_ps"]
+__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_strategy_of", "ps_variables", "sync_from_ps"]
 
 _lock = threading.Lock()
 #: Keras variables created in a PSDistribution's scope -> that distribution (by id; weak values).
 _owned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _owner: dict[int, PSDistribution] = {}
 _models: weakref.WeakKeyDictionary[Any, PSModel] = weakref.WeakKeyDictionary()
+#: Models whose embedding tables apply row gradients lazily (:func:`lazy_embeddings`).
+_lazy: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 class PSDistribution(Distribution):
@@ -127,11 +131,13 @@ class PSModel:
         self.model = model
         self.strategy = strategy
         self.optimizer = model.optimizer
-        self.tx = to_optax(model.optimizer)
+        #: Row gradients of the row-sparse tables are applied lazily (:func:`lazy_embeddings`), else exactly.
+        self.lazy = _lazy.get(model, False)
+        self.sparse = sparse_embeddings(model)
         self.learning_rate = learning_rate_of(model.optimizer)
         self.uid = uuid.uuid4().hex[:12]
-        self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", optimizer=self.tx)
-                          for v in model.trainable_variables]
+        self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", optimizer=tx)
+                          for v, tx in zip(model.trainable_variables, self._optimizers())]
         self.non_trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", trainable=False)
                               for v in model.non_trainable_variables]
         self.iterations = strategy.create_variable(np.asarray(int(model.optimizer.iterations.numpy()), np.int64),
@@ -140,6 +146,30 @@ class PSModel:
         logger.info("Keras model %s: %d trainable, %d non-trainable variables on %d PS tasks", model.name,
                     len(self.trainable), len(self.non_trainable), strategy.num_ps)
 
+    def _optimizers(self) -> list[Any]:
+        """Each trainable variable's PS optimizer: Keras's rule, with weight decay where Keras decays it; a
+        row-sparse table's marked lazy (:func:`jaxdist.lazy_rows`) in the lazy mode, or where lazy is exact
+        (:func:`~jaxdist.keras.ps_optimizers.row_local`: the PS then works on the pushed rows only).
+
+        Few distinct transformations are made (one per variant), so each PS unpickles and compiles each once.
+        """
+        opt = self.optimizer
+        tables = {e.trainable_index for e in self.sparse}
+        lazy_tables = self.lazy or row_local(opt)
+        made: dict[tuple[bool, bool], Any] = {}
+        out = []
+        for i, v in enumerate(self.model.trainable_variables):
+            key = (compat.uses_weight_decay(opt, v), lazy_tables and i in tables)
+            if key not in made:
+                tx = to_optax(opt, v)
+                made[key] = lazy_rows(tx) if key[1] else tx
+            out.append(made[key])
+        if self.sparse:
+            logger.info("Keras model %s: %d row-sparse embedding table(s), row gradients applied %s", self.model.name,
+                        len(self.sparse), "lazily (only the pushed rows and their slots change)" if self.lazy
+                        else "exactly (Keras's dense rule on the PS)")
+        return out
+
     def spec(self) -> ModelSpec:
         """What the workers need (made once the model's metrics are built: their reset values travel)."""
         if self._spec is None:
@@ -147,7 +177,7 @@ class PSModel:
             m.reset_metrics()
             self._spec = ModelSpec(self.uid, m.to_json(), m.get_compile_config(), self.trainable, self.non_trainable,
                                    self.iterations, [np.asarray(v.value) for v in m.metrics_variables],
-                                   clipping_of(self.optimizer), sparse_embeddings(m), len(getattr(m, "inputs", None) or []))
+                                   clipping_of(self.optimizer), self.sparse, len(getattr(m, "inputs", None) or []))
         return self._spec
 
     def check_learning_rate(self) -> None:
@@ -213,3 +243,44 @@ def sync_from_ps(model: Any) -> bool:
         return False
     got.sync()
     return True
+
+
+def lazy_embeddings(model: Any, lazy: bool = True) -> Any:
+    """Choose how the parameter servers apply ``model``'s embedding-row gradients; returns ``model``.
+
+    Under ``ParameterServerStrategy`` a Keras ``Embedding`` fed by a model
+    input moves only the rows a batch looks up, both ways, whatever the
+    optimizer (:mod:`jaxdist.keras.ps_embedding`). The PS then applies
+    the optimizer to its table
+
+    - exactly (``lazy=False``, the default without this call): Keras's dense
+      rule with zero gradient for the rows not looked up (Adam's moments of
+      every row decay, momentum keeps moving them), so the weights equal
+      Keras's single-device ``fit``; the PS's work per step is O(table);
+    - lazily (``lazy=True``, TF's ``LazyAdam``; the usual choice for
+      recommender tables): only the looked-up rows, their optimizer slots
+      (and the step count) change; O(rows) on the PS. Not Keras's result for
+      optimizers with state (momentum, Adam, RMSprop, ...) or weight decay;
+      for ``SGD`` without momentum and ``Adagrad`` both modes are the same.
+
+    Call it after building ``model`` in the strategy's scope, before its
+    first ``fit``/``evaluate`` (the PS variables are made then). Dense
+    variables (and tables that stay dense: ``mask_zero``, shared layers, ...)
+    are updated by the dense rule in both modes.
+
+    Raises:
+        ConfigurationError: ``model`` was not built in a ParameterServerStrategy's scope, or its variables
+            are on the PS already with the other mode.
+    """
+    if ps_strategy_of(model) is None:
+        raise ConfigurationError("lazy_embeddings: the model was not built in a ParameterServerStrategy's scope "
+                                 "(only parameter servers apply embedding rows; build it in strategy.scope() first)")
+    lazy = bool(lazy)
+    with _lock:
+        made = _models.get(model)
+        if made is not None and made.lazy != lazy:
+            raise ConfigurationError(
+                f"lazy_embeddings({lazy}): the model's variables are on the parameter servers already, with "
+                f"{'lazy' if made.lazy else 'exact'} embedding updates; choose the mode before the first fit/evaluate")
+        _lazy[model] = lazy
+    return model

@@ -9,14 +9,16 @@ optimizer (not optax's similarly named one: Keras's Adam adds ``epsilon`` to
 square root), so a PS run with one worker follows Keras's single-device run.
 
 Supported: ``SGD`` (``momentum``, ``nesterov``), ``Adam`` (``amsgrad``),
-``RMSprop`` (``rho``, ``momentum``, ``centered``), ``Adagrad``
-(``initial_accumulator_value``), each with a constant float learning rate;
-``clipnorm``, ``global_clipnorm`` and ``clipvalue`` are applied by the
-workers (:func:`clipping_of`). Anything else (another optimizer class, a
-learning-rate schedule, ``weight_decay``, EMA, loss scaling, gradient
-accumulation) raises
-:class:`UnsupportedOptimizerError`: the PS would otherwise silently apply
-another rule.
+``AdamW``, ``Adamax``, ``Nadam``, ``RMSprop`` (``rho``, ``momentum``,
+``centered``), ``Adagrad`` (``initial_accumulator_value``) and ``Ftrl``
+(every setting), each with a constant float learning rate and any
+``weight_decay`` (Keras's decoupled decay, applied before the update to the
+variables Keras would decay: :meth:`keras.optimizers.Optimizer.exclude_from_weight_decay`
+is honoured); ``clipnorm``, ``global_clipnorm`` and ``clipvalue`` are
+applied by the workers (:func:`clipping_of`). Anything else (another
+optimizer class, a learning-rate schedule, EMA, loss scaling, gradient
+accumulation) raises :class:`UnsupportedOptimizerError`: the PS would
+otherwise silently apply another rule.
 
 The update functions are made inside :func:`to_optax` (closures), so
 cloudpickle ships them by value: a PS unpickles them without importing Keras.
@@ -35,7 +37,7 @@ from jaxdist.keras import compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnsupportedOptimizerError", "clipping_of", "learning_rate_of", "to_optax"]
+__all__ = ["UnsupportedOptimizerError", "clipping_of", "learning_rate_of", "row_local", "to_optax"]
 
 
 class UnsupportedOptimizerError(ConfigurationError):
@@ -43,7 +45,7 @@ class UnsupportedOptimizerError(ConfigurationError):
 
 
 #: Base-optimizer settings that must keep their defaults (what the PS does not implement).
-_MUST_BE_UNSET = ("weight_decay", "loss_scale_factor", "gradient_accumulation_steps")
+_MUST_BE_UNSET = ("loss_scale_factor", "gradient_accumulation_steps")
 
 
 def learning_rate_of(optimizer: Any) -> float:
@@ -82,8 +84,11 @@ def clipping_of(optimizer: Any) -> dict[str, float]:
     return {k: float(cfg[k]) for k in ("clipnorm", "global_clipnorm", "clipvalue") if cfg.get(k) is not None}
 
 
-def to_optax(optimizer: Any) -> optax.GradientTransformation:
-    """The optax transformation applying ``optimizer``'s Keras update rule (see the module docstring).
+def to_optax(optimizer: Any, variable: Any = None) -> optax.GradientTransformation:
+    """The optax transformation applying ``optimizer``'s Keras update rule to ``variable`` (see the module docstring).
+
+    ``variable`` (a Keras variable) decides whether ``weight_decay`` applies
+    to it (Keras's ``exclude_from_weight_decay``); None: it applies.
 
     Raises:
         UnsupportedOptimizerError: an optimizer class or setting the PS does not implement.
@@ -93,19 +98,62 @@ def to_optax(optimizer: Any) -> optax.GradientTransformation:
     _check_base(optimizer)
     lr = learning_rate_of(optimizer)
     name = type(optimizer).__name__
-    if type(optimizer) is keras.optimizers.SGD:
+    kind = type(optimizer)
+    o = keras.optimizers
+    if kind is o.SGD:
         rule = _sgd(lr, float(optimizer.momentum), bool(optimizer.nesterov))
-    elif type(optimizer) is keras.optimizers.Adam:
+    elif kind is o.Adam or kind is o.AdamW:  # AdamW is Adam with a (default) weight_decay
         rule = _adam(lr, float(optimizer.beta_1), float(optimizer.beta_2), float(optimizer.epsilon), bool(optimizer.amsgrad))
-    elif type(optimizer) is keras.optimizers.RMSprop:
+    elif kind is o.Adamax:
+        rule = _adamax(lr, float(optimizer.beta_1), float(optimizer.beta_2), float(optimizer.epsilon))
+    elif kind is o.Nadam:
+        rule = _nadam(lr, float(optimizer.beta_1), float(optimizer.beta_2), float(optimizer.epsilon))
+    elif kind is o.RMSprop:
         rule = _rmsprop(lr, float(optimizer.rho), float(optimizer.momentum), float(optimizer.epsilon), bool(optimizer.centered))
-    elif type(optimizer) is keras.optimizers.Adagrad:
+    elif kind is o.Adagrad:
         rule = _adagrad(lr, float(optimizer.initial_accumulator_value), float(optimizer.epsilon))
+    elif kind is o.Ftrl:
+        rule = _ftrl(lr, float(optimizer.learning_rate_power), float(optimizer.initial_accumulator_value),
+                     float(optimizer.l1_regularization_strength), float(optimizer.l2_regularization_strength),
+                     float(optimizer.l2_shrinkage_regularization_strength), float(optimizer.beta))
     else:
         raise UnsupportedOptimizerError(
-            f"Keras optimizer {name} is not supported under ParameterServerStrategy; use SGD, Adam, RMSprop or Adagrad"
+            f"Keras optimizer {name} is not supported under ParameterServerStrategy; use SGD, Adam, AdamW, Adamax, "
+            "Nadam, RMSprop, Adagrad or Ftrl"
         )
+    wd = optimizer.weight_decay
+    if wd is not None and float(wd) != 0.0 and (variable is None or compat.uses_weight_decay(optimizer, variable)):
+        rule = _with_weight_decay(rule, lr, float(wd))
     return rule
+
+
+def row_local(optimizer: Any) -> bool:
+    """Whether ``optimizer``'s update of a row with zero gradient changes nothing (neither the row nor its slots).
+
+    Then a row gradient applied lazily (only the pushed rows) equals Keras's
+    dense update bit for bit, at O(rows) cost on the PS: ``SGD`` without
+    momentum and ``Adagrad``, without weight decay.
+    """
+    import keras
+
+    if optimizer.weight_decay is not None and float(optimizer.weight_decay) != 0.0:
+        return False
+    if type(optimizer) is keras.optimizers.SGD:
+        return float(optimizer.momentum) == 0.0
+    return type(optimizer) is keras.optimizers.Adagrad
+
+
+def _with_weight_decay(rule: optax.GradientTransformation, lr: float, wd: float) -> optax.GradientTransformation:
+    """Keras's decoupled weight decay (``variable -= variable * wd * lr``) applied before ``rule``'s update."""
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError("weight decay needs the parameters")
+        decayed = params - params * jnp.asarray(wd, params.dtype) * jnp.asarray(lr, params.dtype)
+        upd, new_state = rule.update(grads, state, decayed)
+        return (decayed - params) + upd, new_state
+
+    return optax.GradientTransformation(rule.init, update)
 
 
 def _sgd(lr: float, momentum: float, nesterov: bool) -> optax.GradientTransformation:
@@ -175,5 +223,74 @@ def _adagrad(lr: float, initial: float, eps: float) -> optax.GradientTransformat
         g = grads.astype(state[1].dtype)
         acc = state[1] + jnp.square(g)
         return -(lr * g) / jnp.sqrt(acc + eps), (state[0] + 1, acc, None, None)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _adamax(lr: float, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    def init(params: Any) -> tuple[Any, ...]:
+        return (jnp.zeros((), jnp.int32), jnp.zeros_like(params), jnp.zeros_like(params), None)
+
+    def update(grads: Any, state: tuple[Any, ...], params: Any = None) -> tuple[Any, tuple[Any, ...]]:
+        dt = state[1].dtype
+        g = grads.astype(dt)
+        t = (state[0] + 1).astype(dt)
+        b1_power = jnp.power(jnp.asarray(b1, dt), t)
+        m = state[1] + (g - state[1]) * (1 - b1)
+        u = jnp.maximum(b2 * state[2], jnp.abs(g))
+        return -((lr * m) / ((1 - b1_power) * (u + eps))), (state[0] + 1, m, u, None)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _nadam(lr: float, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    # Keras keeps one ``u_product`` per optimizer, advanced once per step before the updates; each
+    # variable here keeps its own copy, advanced with its own step count (the same while every
+    # variable is updated every step, as in fit).
+    def init(params: Any) -> tuple[Any, ...]:
+        return (jnp.zeros((), jnp.int32), jnp.zeros_like(params), jnp.zeros_like(params), jnp.ones((), params.dtype))
+
+    def update(grads: Any, state: tuple[Any, ...], params: Any = None) -> tuple[Any, tuple[Any, ...]]:
+        dt = state[1].dtype
+        g = grads.astype(dt)
+        local_step = (state[0] + 1).astype(dt)
+        next_step = (state[0] + 2).astype(dt)
+        decay = jnp.asarray(0.96, dt)
+        beta_1 = jnp.asarray(b1, dt)
+        beta_2 = jnp.asarray(b2, dt)
+        u_product_t = state[3] * b1 * (1.0 - 0.5 * jnp.power(jnp.asarray(0.96, state[3].dtype), local_step.astype(state[3].dtype)))
+        u_t = beta_1 * (1.0 - 0.5 * jnp.power(decay, local_step))
+        u_t_1 = beta_1 * (1.0 - 0.5 * jnp.power(decay, next_step))
+        u_product_t_1 = u_product_t.astype(dt) * u_t_1
+        beta_2_power = jnp.power(beta_2, local_step)
+        m = state[1] + (g - state[1]) * (1 - beta_1)
+        v = state[2] + (jnp.square(g) - state[2]) * (1 - beta_2)
+        m_hat = (u_t_1 * m) / (1 - u_product_t_1) + ((1 - u_t) * g) / (1 - u_product_t.astype(dt))
+        v_hat = v / (1 - beta_2_power)
+        return -((m_hat * lr) / (jnp.sqrt(v_hat) + eps)), (state[0] + 1, m, v, u_product_t)
+
+    return optax.GradientTransformation(init, update)
+
+
+def _ftrl(lr: float, lr_power: float, initial: float, l1: float, l2: float, l2_shrinkage: float,
+          beta: float) -> optax.GradientTransformation:
+    # Keras's Ftrl assigns the variable (a function of its ``linear`` and ``accumulator`` slots):
+    # the update is that value minus the current one.
+    def init(params: Any) -> tuple[Any, ...]:
+        return (jnp.zeros((), jnp.int32), jnp.full_like(params, initial), jnp.zeros_like(params), None)
+
+    def update(grads: Any, state: tuple[Any, ...], params: Any = None) -> tuple[Any, tuple[Any, ...]]:
+        if params is None:
+            raise ValueError("Ftrl needs the parameters")
+        g = grads.astype(params.dtype)
+        accum, linear = state[1], state[2]
+        l2_reg = l2 + beta / (2.0 * lr)
+        grad_to_use = g + 2 * l2_shrinkage * params
+        new_accum = accum + jnp.square(g)
+        linear = linear + (grad_to_use - ((jnp.power(new_accum, -lr_power) - jnp.power(accum, -lr_power)) / lr) * params)
+        quadratic = jnp.power(new_accum, -lr_power) / lr + 2 * l2_reg
+        linear_clipped = jnp.clip(linear, -l1, l1)
+        new_value = (linear_clipped - linear) / quadratic
+        return new_value - params, (state[0] + 1, new_accum, linear, None)
 
     return optax.GradientTransformation(init, update)

@@ -7,12 +7,20 @@ Adagrad, RMSProp, weight decay, ...) behave exactly as with plain optax on the
 whole model; transformations that couple variables (e.g. clipping by the
 *global* norm) see one variable at a time.
 
-Sparse (row) gradients are applied *lazily*: only the rows named by the
-indices change, in the parameter and in every optimizer-state leaf shaped like
-the parameter; state leaves of other shapes (step counts) advance once per
-push. For SGD and Adagrad that equals the dense update with zero gradients
-elsewhere; for momentum, Adam and friends it is TF's lazy sparse apply
-(untouched rows keep their moments and values).
+Row (sparse) gradients travel as rows (only the rows a batch looked up) and
+are applied in one of two modes, chosen per optimizer:
+
+- *exact* (the default): the PS scatters the pushed rows into a zero
+  gradient of the whole variable and applies the optimizer's dense rule, in
+  one jit-compiled step on the PS. The result is the dense update's exactly
+  (Adam's moments of the rows not pushed decay, momentum keeps moving them),
+  so a PS run equals a single-device run; the PS's arithmetic is O(table)
+  per push, the wire's O(rows) (TF's ``ParameterServerStrategy`` does the same).
+- *lazy* (:func:`lazy_rows`, TF's ``LazyAdam``): only the rows named by the
+  indices change, in the parameter and in every optimizer-state leaf shaped
+  like the parameter; state leaves of other shapes (step counts) advance once
+  per push. O(rows) on the PS too. For a rule whose zero gradient changes
+  nothing (SGD without momentum, Adagrad) it equals the exact mode bit for bit.
 """
 
 from __future__ import annotations
@@ -21,8 +29,46 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+
+__all__ = ["LazyRows", "Optimizer", "is_lazy", "lazy_rows"]
+
+
+class LazyRows(optax.GradientTransformation):
+    """An optax transformation whose row gradients the PS applies lazily (see the module docstring).
+
+    Made by :func:`lazy_rows`; it is the same ``(init, update)`` pair, so
+    dense gradients are applied exactly as by the transformation it wraps.
+    Wrapping it again (``optax.chain(lazy, ...)``) gives an ordinary
+    transformation, applied in the exact mode.
+    """
+
+
+def lazy_rows(tx: optax.GradientTransformation) -> LazyRows:
+    """``tx`` marked *lazy* for row gradients: a row push changes only its rows and their optimizer state.
+
+    Under ``ParameterServerStrategy`` a row gradient (:class:`jaxdist.SparseGradient`,
+    a Keras ``Embedding``'s rows) of a variable created with this optimizer
+    updates only the pushed rows, their slots and the step count (TF's
+    ``LazyAdam``; the usual choice for large embedding tables): the PS's
+    work is O(rows pushed), not O(table). Without it (the default, *exact*)
+    the PS applies ``tx``'s dense rule with zero gradient for the rows not
+    pushed, which equals a single-device run. Dense gradients are applied
+    the same way in both modes.
+
+    Raises:
+        TypeError: ``tx`` is not an optax ``GradientTransformation`` (has no ``init``/``update``).
+    """
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"lazy_rows needs an optax.GradientTransformation, got {type(tx).__name__}")
+    return LazyRows(tx.init, tx.update)
+
+
+def is_lazy(tx: Any) -> bool:
+    """Whether ``tx`` applies row gradients lazily (made by :func:`lazy_rows`)."""
+    return isinstance(tx, LazyRows)
 
 
 def _bucket(n: int) -> int:
@@ -42,6 +88,8 @@ class Optimizer:
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.digest = digest
+        #: Row gradients change only their rows (:func:`lazy_rows`); else the dense rule runs (exact).
+        self.lazy = is_lazy(tx)
         self._lock = threading.Lock()
 
         def step(param: jax.Array, state: Any, grad: jax.Array) -> tuple[jax.Array, Any]:
@@ -50,7 +98,16 @@ class Optimizer:
             updates, new_state = tx.update(grad, state, param)
             return optax.apply_updates(param, updates), new_state
 
+        def row_step(param: jax.Array, state: Any, indices: jax.Array, rows: jax.Array) -> tuple[jax.Array, Any]:
+            # The exact mode: the pushed rows scattered into a zero gradient (inside XLA: the
+            # dense gradient never exists in Python), then the dense rule. Padding rows are
+            # zero and point at row 0, so adding them changes nothing.
+            grad = jnp.zeros(param.shape, param.dtype).at[indices].add(rows.astype(param.dtype), mode="drop")
+            updates, new_state = tx.update(grad, state, param)
+            return optax.apply_updates(param, updates), new_state
+
         self._step = jax.jit(step)
+        self._row_step = jax.jit(row_step)
         self._init = jax.jit(tx.init)
 
     def init(self, param: np.ndarray) -> Any:
@@ -66,10 +123,27 @@ class Optimizer:
         new_param, new_state = self._step(param, state, grad)
         return np.asarray(new_param), new_param, new_state
 
+    def apply_rows(self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, jax.Array, Any]:
+        """Exact row update: the dense rule with zero gradient for the rows not in ``indices``.
+
+        ``indices``: int64 row indices, rank 1 (a repeated index's rows add
+        up); ``rows``: their gradient rows. The results are :meth:`apply`'s
+        for the dense gradient that has ``rows`` added at ``indices`` and
+        zeros elsewhere; only ``len(indices)`` rows enter XLA (padded to a
+        power of two: O(log n) compilations per shape).
+        """
+        n = len(indices)
+        pad = _bucket(n) - n
+        if pad:
+            indices = np.concatenate([indices, np.zeros(pad, np.int64)])
+            rows = np.concatenate([rows, np.zeros((pad,) + rows.shape[1:], rows.dtype)])
+        new_param, new_state = self._row_step(param, state, indices, rows)
+        return np.asarray(new_param), new_param, new_state
+
     def apply_sparse(
         self, param: np.ndarray, state: Any, indices: np.ndarray, rows: np.ndarray
     ) -> tuple[np.ndarray, Any, Any]:
-        """Lazy row update.
+        """Lazy row update (:func:`lazy_rows`).
 
         Args:
             param: the full parameter (dim 0 = rows).

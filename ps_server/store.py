@@ -549,6 +549,12 @@ class VariableStore:
             start = var.device_value if var.device_value is not None else var.value
             var.value, var.device_value, var.opt_state = var.optimizer.apply(start, var.opt_state, value)
             return
+        if op is Op.SPARSE_APPLY_GRADIENT and var.optimizer is not None and not var.optimizer.lazy:
+            # Exact mode: rows travelled, the dense rule runs here (duplicate ids add up inside it).
+            assert idx is not None
+            start = var.device_value if var.device_value is not None else var.value
+            var.value, var.device_value, var.opt_state = var.optimizer.apply_rows(start, var.opt_state, idx, value)
+            return
         var.device_value = None
         # In place when nobody streams the current array (no open read snapshot), else a new
         # array, so a pull in flight keeps sending the value it started with.

@@ -67,7 +67,7 @@ SYNC_LIMIT = 10
 
 #: The whole library's reaches may not exceed this (the count once the sync engine and the Keras
 #: fence landed). Lower it when you remove reaches; never raise it to let a new one in.
-LIBRARY_BUDGET = 18
+LIBRARY_BUDGET = 17
 
 #: ``module.name`` pairs of the standard library that are public despite the underscore.
 _STDLIB_PUBLIC = {("os", "_exit"), ("sys", "_getframe")}

@@ -196,6 +196,19 @@ def test_split_update_cuts_by_shards() -> None:
         split_update(t, Op.APPLY_GRADIENT, np.ones((9, 3), np.float32), broadcast=False)
 
 
+def test_a_row_gradient_reaches_every_shard() -> None:
+    """A gradient's rows go to their shards, and every other shard gets an empty push: each shard's optimizer
+    steps once per push, as the whole variable's would (exact mode: its moments decay; counts stay equal)."""
+    t = _sharded(10, 4)
+    parts = split_update(t, Op.SPARSE_APPLY_GRADIENT, np.ones((2, 3), np.float32), [9, 8])
+    assert [(s.name, idx.tolist(), a.shape) for s, _, a, idx in parts] == [
+        ("t/part_0", [], (0, 3)), ("t/part_1", [], (0, 3)), ("t/part_2", [], (0, 3)), ("t/part_3", [1, 0], (2, 3))]
+    # A table with fewer rows than shards has empty shards: they own nothing and get nothing.
+    small = _sharded(2, 4)
+    parts = split_update(small, Op.SPARSE_APPLY_GRADIENT, np.ones((1, 3), np.float32), [1])
+    assert [(s.name, idx.tolist()) for s, _, _, idx in parts] == [("t/part_0", []), ("t/part_1", [0])]
+
+
 class _Recorder:
     """Stands in for PSConnections: records the exact bytes each push would send."""
 

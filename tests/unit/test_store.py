@@ -16,7 +16,7 @@ from jaxdist.errors import (
     VariableExistsError,
     VariableNotFoundError,
 )
-from jaxdist.ps_server.optimizer import Optimizer
+from jaxdist.ps_server.optimizer import Optimizer, lazy_rows
 from jaxdist.proto.ps_wire import IfExists, Op, Update
 from jaxdist.ps_server.store import VariableStore
 
@@ -187,41 +187,77 @@ def test_dense_optimizer_matches_optax(make: object) -> None:
     np.testing.assert_allclose(s.read("w"), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
-def test_sparse_gradient_semantics() -> None:
-    """SGD and Adagrad: sparse == dense with zero rows. Adam: lazy (untouched rows keep value and moments)."""
+@pytest.mark.parametrize(
+    "make",
+    [lambda: optax.sgd(0.1), lambda: optax.sgd(0.1, momentum=0.9, nesterov=True), lambda: optax.adam(0.05),
+     lambda: optax.adagrad(0.1), lambda: optax.chain(optax.add_decayed_weights(1e-2), optax.rmsprop(0.01))],
+    ids=["sgd", "nesterov", "adam", "adagrad", "wd+rmsprop"],
+)
+def test_sparse_gradient_exact_by_default(make: object) -> None:
+    """Rows travel; the PS applies the dense rule with zero gradient elsewhere (repeated ids add up)."""
     rng = np.random.default_rng(1)
     table = rng.standard_normal((10, 4)).astype(np.float32)
-    steps = [(np.array([1, 3, 3, 7]), rng.standard_normal((4, 4)).astype(np.float32)) for _ in range(4)]
-
-    def dense(g_idx: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    steps = [(np.array(ids, np.int64), rng.standard_normal((len(ids), 4)).astype(np.float32))
+             for ids in ([1, 3, 3, 7], [0, 9], [], [3, 4, 5, 6, 7])]
+    s = VariableStore()
+    s.create("t", value=table, optimizer=Optimizer(make()))
+    for idx, rows in steps:
+        s.apply([Update("t", Op.SPARSE_APPLY_GRADIENT, rows, idx)])
+    tx = make()
+    w, st = table, tx.init(table)
+    for idx, rows in steps:
         g = np.zeros_like(table)
-        np.add.at(g, g_idx, rows)
-        return g
+        np.add.at(g, idx, rows)
+        u, st = tx.update(g, st, w)
+        w = optax.apply_updates(w, u)
+    np.testing.assert_allclose(s.read("t"), np.asarray(w), rtol=1e-5, atol=1e-6)
+    # The optimizer state is the dense run's too (a checkpoint of it resumes the same run).
+    with s.frozen(["t"]) as [(_, _, got_state, _)]:
+        got_leaves = jax.tree.leaves(got_state)
+    want_leaves = jax.tree.leaves(st)
+    assert len(got_leaves) == len(want_leaves)
+    for a, b in zip(got_leaves, want_leaves):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
-    for make, exact in [(lambda: optax.sgd(0.1), True), (lambda: optax.adagrad(0.1), True), (lambda: optax.adam(0.05), False)]:
-        s = VariableStore()
-        s.create("t", value=table, optimizer=Optimizer(make()))
-        for idx, rows in steps:
-            s.apply([Update("t", Op.SPARSE_APPLY_GRADIENT, rows, idx)])
-        got = s.read("t")
-        tx = make()
-        if exact:
-            w, st = table, tx.init(table)
-            for idx, rows in steps:
-                u, st = tx.update(dense(idx, rows), st, w)
-                w = optax.apply_updates(w, u)
-            np.testing.assert_allclose(got, np.asarray(w), rtol=1e-5, atol=1e-6)
-        else:
-            # Lazy Adam == dense Adam restricted to the touched rows, when the same rows are touched every step.
-            touched = np.array([1, 3, 7])
-            sub = table[touched]
-            st = tx.init(sub)
-            for idx, rows in steps:
-                u, st = tx.update(dense(idx, rows)[touched], st, sub)
-                sub = optax.apply_updates(sub, u)
-            np.testing.assert_allclose(got[touched], np.asarray(sub), rtol=1e-5, atol=1e-6)
-            untouched = np.setdiff1d(np.arange(10), touched)
-            assert np.array_equal(got[untouched], table[untouched])
+
+def test_sparse_gradient_lazy_rows() -> None:
+    """lazy_rows(adam): only the pushed rows and their moments change; the step count advances once per push."""
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((10, 4)).astype(np.float32)
+    steps = [(np.array([1, 3, 3, 7]), rng.standard_normal((4, 4)).astype(np.float32)),
+             (np.array([3]), rng.standard_normal((1, 4)).astype(np.float32))]
+    s = VariableStore()
+    s.create("t", value=table, optimizer=Optimizer(lazy_rows(optax.adam(0.05))))
+    for idx, rows in steps:
+        s.apply([Update("t", Op.SPARSE_APPLY_GRADIENT, rows, idx)])
+    got = s.read("t")
+    # By hand (optax's Adam: b1=0.9, b2=0.999, eps=1e-8, bias correction by the push count).
+    lr, b1, b2, eps = 0.05, 0.9, 0.999, 1e-8
+    want = table.astype(np.float64).copy()
+    m = np.zeros_like(want)
+    v = np.zeros_like(want)
+    for t, (idx, rows) in enumerate(steps, start=1):
+        g = np.zeros_like(want)
+        np.add.at(g, idx, rows)
+        touched = np.unique(idx)
+        m[touched] = b1 * m[touched] + (1 - b1) * g[touched]
+        v[touched] = b2 * v[touched] + (1 - b2) * g[touched] ** 2
+        mh, vh = m[touched] / (1 - b1 ** t), v[touched] / (1 - b2 ** t)
+        want[touched] -= lr * mh / (np.sqrt(vh) + eps)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    untouched = np.array([0, 2, 4, 5, 6, 8, 9])
+    assert np.array_equal(got[untouched], table[untouched])
+    # The exact mode moves untouched rows of the same run (their moments are not zero after step 1).
+    e = VariableStore()
+    e.create("t", value=table, optimizer=Optimizer(optax.adam(0.05)))
+    for idx, rows in steps:
+        e.apply([Update("t", Op.SPARSE_APPLY_GRADIENT, rows, idx)])
+    assert not np.allclose(e.read("t")[[1, 7]], got[[1, 7]])
+
+
+def test_lazy_rows_refuses_what_is_not_a_transformation() -> None:
+    with pytest.raises(TypeError, match="GradientTransformation"):
+        lazy_rows(object())  # type: ignore[arg-type]
 
 
 def test_scatter_ops() -> None:
