@@ -402,6 +402,10 @@ class Checkpoint:
             return sync_ckpt.restore(self, path, variables)
         strategy = self._ps_strategy()
         manifest = _read_manifest(path)
+        restores_ledger = self.ledger is not None and manifest.get("ledger") is not None and ps_tasks is None
+        if restores_ledger:
+            assert self.ledger is not None
+            self.ledger.check_restorable()  # before any variable changes: closures hold its positions
         files = manifest["files"]
         names = variables if variables is not None else list(strategy.variables)
         by_ps: dict[int, ps_pb2.RestoreRequest] = defaultdict(lambda: ps_pb2.RestoreRequest(directory=path))
@@ -432,7 +436,8 @@ class Checkpoint:
         conns = strategy.connections
         with _quiet(self._pausing(), quiesce_timeout):
             conns.fan_out({ps: functools.partial(_restore_on, req) for ps, req in by_ps.items()})
-            if self.ledger is not None and manifest.get("ledger") is not None and ps_tasks is None:
+            if restores_ledger:
+                assert self.ledger is not None
                 self.ledger.load_state(manifest["ledger"])
         if ps_tasks is None:
             self.step = manifest["step"]

@@ -310,18 +310,19 @@ class ClosureQueue:
                 del self._tagged[worker]
             self._inflight += 1
             return batch
-        batch, rest = [], collections.deque()
+        reruns: list[Closure] = []
+        rest: collections.deque[Closure] = collections.deque()
         full = len(self._queue) >= self._max_size
         for c in self._queue:
-            (batch if c.attempt > 0 and len(batch) < max_n else rest).append(c)
-        if not batch:
+            (reruns if c.attempt > 0 and len(reruns) < max_n else rest).append(c)
+        if not reruns:
             return []
         self._queue = rest
-        self._requeued_ran -= len(batch)
-        self._inflight += len(batch)
+        self._requeued_ran -= len(reruns)
+        self._inflight += len(reruns)
         if full:
-            self._room.notify(len(batch))
-        return batch
+            self._room.notify(len(reruns))
+        return reruns
 
     def tagged_workers(self) -> list[int]:
         """Workers that have tagged (per-worker resource) closures queued."""

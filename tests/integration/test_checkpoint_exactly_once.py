@@ -21,6 +21,7 @@ import pytest
 
 import jaxdist
 from jaxdist import checkpoint as ckpt
+from jaxdist.errors import ConfigurationError
 from jaxdist.testing import InProcessCluster, poll_for
 
 import inprocess_gates as gates
@@ -142,3 +143,38 @@ def test_save_while_a_failed_workers_closure_is_requeued_then_restart_is_exact(t
         coord.join()
         assert ds.ledger.completed == NUM_BATCHES * EPOCHS
         np.testing.assert_array_equal(seen.numpy(), np.full(EXAMPLES, EPOCHS, np.int64))  # every example once per epoch
+
+
+def test_restore_is_refused_while_closures_hold_batches_and_changes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A ledger restored under queued or running closures would hand their batches out again (trained
+    twice): ``restore`` refuses before it changes any variable; after ``join`` it restores."""
+    directory = str(tmp_path / "ckpts")
+    gate = gates.new_name("hold")
+
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster, _script(cluster, directory) as (seen, coord, ds, it, manager, _):
+        train = _train_fn(seen)
+        for _ in range(2):
+            coord.schedule(train, args=(it,))
+        coord.join()
+        path = manager.save(2)
+
+        def held(it):  # type: ignore[no-untyped-def]
+            gates.arrive(gate)
+            gates.event(gate).wait(60)
+            seen.assign_add(_counts(next(it)))
+
+        coord.schedule(held, args=(it,))
+        coord.schedule(train, args=(it,))  # queued behind it
+        poll_for(lambda: gates.arrivals(gate) == 1, 60, what="the closure to run")
+        before = seen.numpy()
+        try:
+            with pytest.raises(ConfigurationError, match="2 scheduled closure"):
+                manager.checkpoint.restore(path)
+            np.testing.assert_array_equal(seen.numpy(), before)  # the PS was not restored either
+        finally:
+            gates.event(gate).set()
+        coord.join()
+        assert ds.ledger.completed == 4
+        manager.checkpoint.restore(path)  # nothing holds a batch now
+        assert ds.ledger.completed == 2
+        np.testing.assert_array_equal(seen.numpy(), ckpt.load(path)["variables"]["seen"])
