@@ -517,7 +517,8 @@ class ClosureQueue:
 
     @property
     def dispatching(self) -> bool:
-        """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped."""
+        """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped. (A draining pause
+        still hands out re-queued closures: :attr:`handing_out` is what the dispatcher reads.)"""
         return not (self._paused or self._held or self._stopped)
 
     @property

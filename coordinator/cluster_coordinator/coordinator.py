@@ -565,7 +565,8 @@ class ClusterCoordinator:
     @property
     def dispatching(self) -> bool:
         """False while no closure is handed out: inside :meth:`paused`, while a PS is down
-        (recovery or failover), or after :meth:`shutdown`."""
+        (recovery or failover), or after :meth:`shutdown`. (A checkpoint save's
+        ``paused(drain=True)`` still re-runs the closures of failed workers before its snapshot.)"""
         return self._queue.dispatching
 
     @property
