@@ -142,15 +142,17 @@ def _read_manifest(path: str) -> dict[str, Any]:
 
 
 @contextmanager
-def _quiet(coordinator: ClusterCoordinator | None, timeout: float | None = None) -> Iterator[None]:
+def _quiet(coordinator: ClusterCoordinator | None, timeout: float | None = None, drain: bool = False) -> Iterator[None]:
     """Pause ``coordinator``'s dispatch for the duration of a save/restore.
 
     ``timeout`` bounds the wait for running closures (None: wait for all).
+    ``drain`` (a save's): closures re-queued after their worker failed are
+    re-run first (see :meth:`ClusterCoordinator.paused`).
     """
     if coordinator is None:
         yield
         return
-    with coordinator.paused(timeout) as quiet:
+    with coordinator.paused(timeout, drain=drain) as quiet:
         if not quiet:
             logger.warning("closures still running after %.0fs; going on without a quiet point", timeout)
         yield
@@ -329,7 +331,10 @@ class Checkpoint:
         conns = strategy.connections
         t0 = time.perf_counter()
         try:
-            with _quiet(self._pausing()):
+            # Drained: a closure whose worker died after it pushed part of its updates is re-run to
+            # its end first. Otherwise the snapshot would hold those updates while the ledger below
+            # still had its batches handed out, not done: a run resumed from it trains them again.
+            with _quiet(self._pausing(), drain=True):
                 results = conns.fan_out({i: functools.partial(_save_on, tmp, f"ps-{i}.npz") for i in range(len(conns.clients))})
                 ledger_state = self.ledger.state() if self.ledger is not None else None
             files = {r.file_name: {"sha256": r.sha256, "bytes": r.bytes} for r in results.values()}
@@ -397,6 +402,10 @@ class Checkpoint:
             return sync_ckpt.restore(self, path, variables)
         strategy = self._ps_strategy()
         manifest = _read_manifest(path)
+        restores_ledger = self.ledger is not None and manifest.get("ledger") is not None and ps_tasks is None
+        if restores_ledger:
+            assert self.ledger is not None
+            self.ledger.check_restorable()  # before any variable changes: closures hold its positions
         files = manifest["files"]
         names = variables if variables is not None else list(strategy.variables)
         by_ps: dict[int, ps_pb2.RestoreRequest] = defaultdict(lambda: ps_pb2.RestoreRequest(directory=path))
@@ -427,7 +436,8 @@ class Checkpoint:
         conns = strategy.connections
         with _quiet(self._pausing(), quiesce_timeout):
             conns.fan_out({ps: functools.partial(_restore_on, req) for ps, req in by_ps.items()})
-            if self.ledger is not None and manifest.get("ledger") is not None and ps_tasks is None:
+            if restores_ledger:
+                assert self.ledger is not None
                 self.ledger.load_state(manifest["ledger"])
         if ps_tasks is None:
             self.step = manifest["step"]

@@ -19,6 +19,13 @@ Queue contract (TF's ``_CoordinatedClosureQueue``, made exact):
 - ``set_held`` stops handing out closures while a PS is suspect (a level,
   set from the failure handler's state); ``pause``/``resume`` are the
   nestable quiet points of checkpoints. Either stops dispatch.
+- ``pause(drain=True)`` (a checkpoint save's) also settles the closures
+  that may have run in part: untagged closures re-queued by ``retry``
+  (``attempt > 0``) are still handed out while every pause in effect is
+  such a draining one, and it returns only once none is queued or running.
+  Its quiet point then holds no half-applied closure: every update on the
+  PS tasks belongs to a closure that finished, and every queued closure
+  never ran.
 - Tagged closures run only on their worker (per-worker resources) and take
   precedence over untagged ones on that worker.
 """
@@ -203,6 +210,8 @@ class ClosureQueue:
         self._error: BaseException | None = None
         self._stopped = False
         self._paused = 0
+        self._draining = 0  # pause(drain=True) calls still waiting (counted in _paused too)
+        self._requeued_ran = 0  # untagged closures queued with attempt > 0: they may have run in part
         self._held = False
         self.finished = 0
         self.failed = 0
@@ -264,8 +273,12 @@ class ClosureQueue:
         is ``extend_fn`` (the dispatcher batches past a fair share only closures it knows are short).
         What is returned counts as running until it is marked finished, failed or re-queued."""
         with self._lock:
-            if self._stopped or self._paused or self._held:
+            if self._stopped or self._held:
                 return []
+            if self._paused:
+                if not self._draining_now():
+                    return []
+                return self._take_draining(worker, max_n)
             tagged = self._tagged.get(worker)
             if tagged:
                 # Resource closures go alone: later closures may need the resource.
@@ -286,10 +299,41 @@ class ClosureQueue:
             if extend_fn is not None:
                 while len(batch) < extend_to and q and q[0].fn is extend_fn:
                     batch.append(q.popleft())
+            self._requeued_ran -= sum(c.attempt > 0 for c in batch)
             self._inflight += len(batch)
             if full:
                 self._room.notify(len(batch))
             return batch
+
+    def _draining_now(self) -> bool:
+        # Under the lock. Every pause in effect drains, and closures that may have run are queued.
+        return self._paused == self._draining and self._requeued_ran > 0
+
+    def _take_draining(self, worker: int, max_n: int) -> list[Closure]:
+        """Under the lock, during a drain: ``worker``'s tagged closure first (it rebuilds a per-worker
+        resource the re-runs may need, and pushes nothing), else up to ``max_n`` queued closures that
+        may have run in part (``attempt > 0``), oldest re-queue first; nothing else starts."""
+        tagged = self._tagged.get(worker)
+        if tagged:
+            batch = [tagged.popleft()]
+            self._n_tagged -= 1
+            if not tagged:
+                del self._tagged[worker]
+            self._inflight += 1
+            return batch
+        reruns: list[Closure] = []
+        rest: collections.deque[Closure] = collections.deque()
+        full = len(self._queue) >= self._max_size
+        for c in self._queue:
+            (reruns if c.attempt > 0 and len(reruns) < max_n else rest).append(c)
+        if not reruns:
+            return []
+        self._queue = rest
+        self._requeued_ran -= len(reruns)
+        self._inflight += len(reruns)
+        if full:
+            self._room.notify(len(reruns))
+        return reruns
 
     def tagged_workers(self) -> list[int]:
         """Workers that have tagged (per-worker resource) closures queued."""
@@ -354,6 +398,8 @@ class ClosureQueue:
                     self._n_tagged += 1
                 else:
                     self._queue.appendleft(closure)
+                    if closure.attempt > 0:
+                        self._requeued_ran += 1
             self._settle_check()
         if requeued:
             self._available()
@@ -368,6 +414,7 @@ class ClosureQueue:
         for c in self._queue:
             self._cancel(c)
         self._queue.clear()
+        self._requeued_ran = 0
         for q in self._tagged.values():
             for c in q:
                 self._cancel(c)
@@ -424,27 +471,48 @@ class ClosureQueue:
             self._room.notify_all()
             self._settled.notify_all()
 
-    def pause(self, timeout: float | None = None) -> bool:
+    def pause(self, timeout: float | None = None, drain: bool = False) -> bool:
         """Stop handing out closures and wait until none is running (a quiet point); nestable.
 
-        Returns False if running closures did not finish within ``timeout``
-        (the queue stays paused; call :meth:`resume`).
+        With ``drain``, closures re-queued after their worker failed
+        (``attempt > 0``: they may have run in part, their updates partly
+        applied) are still handed out while every pause in effect drains,
+        and the wait lasts until none of them is queued or running either
+        (their re-runs repeat their push identities, so nothing is applied
+        twice). Queued closures that never ran stay queued. A drain needs a
+        healthy worker to re-run them: it waits for one as long as
+        ``timeout`` allows.
+
+        Returns False if running closures (or, draining, re-queued ones) did
+        not finish within ``timeout`` (the queue stays paused; call :meth:`resume`).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._paused += 1
-            while self._inflight > 0 and not self._stopped:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._settled.wait(left)
-            return True
+            if drain:
+                self._draining += 1
+            wake = drain and self._draining_now()
+        if wake:  # re-queued closures were held back by the pause only: the dispatcher may take them now
+            self._available()
+        with self._lock:
+            try:
+                # (A recorded error cancels every queued closure: a drain then waits for the running ones only.)
+                while (self._inflight > 0 or (drain and self._requeued_ran > 0)) and not self._stopped:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        return False
+                    self._settled.wait(left)
+                return True
+            finally:
+                if drain:
+                    self._draining -= 1
 
     def resume(self) -> None:
         """Undo one :meth:`pause`."""
         with self._lock:
             self._paused = max(0, self._paused - 1)
-            resumed = self._paused == 0
+            # A drain left alone may go on re-running closures (held back while this pause did not drain).
+            resumed = self._paused == 0 or self._draining_now()
         if resumed:
             self._available()
 
@@ -461,8 +529,18 @@ class ClosureQueue:
 
     @property
     def dispatching(self) -> bool:
-        """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped."""
+        """False while paused (:meth:`pause`), held (:meth:`set_held`) or stopped. (A draining pause
+        still hands out re-queued closures: :attr:`handing_out` is what the dispatcher reads.)"""
         return not (self._paused or self._held or self._stopped)
+
+    @property
+    def handing_out(self) -> bool:
+        """Whether :meth:`take` may hand out closures now: dispatching, or a drain (``pause(drain=True)``)
+        re-running closures that may have run in part."""
+        with self._lock:
+            if self._held or self._stopped:
+                return False
+            return not self._paused or self._draining_now()
 
     def stop(self) -> None:
         """Cancel everything queued and wake every waiter (coordinator shutdown)."""

@@ -628,7 +628,8 @@ class ClusterCoordinator:
     @property
     def dispatching(self) -> bool:
         """False while no closure is handed out: inside :meth:`paused`, while a PS is down
-        (recovery or failover), or after :meth:`shutdown`."""
+        (recovery or failover), or after :meth:`shutdown`. (A checkpoint save's
+        ``paused(drain=True)`` still re-runs the closures of failed workers before its snapshot.)"""
         return self._queue.dispatching
 
     @property
@@ -788,7 +789,7 @@ class ClusterCoordinator:
         )
 
     @contextlib.contextmanager
-    def paused(self, timeout: float | None = None) -> Iterator[bool]:
+    def paused(self, timeout: float | None = None, *, drain: bool = False) -> Iterator[bool]:
         """Hand out no closure inside the ``with`` block: a quiet point of training.
 
         On entry, waits up to ``timeout`` seconds (None: as long as it takes)
@@ -796,8 +797,18 @@ class ClusterCoordinator:
         did (False: some still run; the block runs anyway). Dispatch resumes
         on exit. Nestable; closures may still be scheduled meanwhile (they
         queue). Checkpoints save and restore inside it.
+
+        With ``drain`` (what a checkpoint save uses), the closures queued
+        again after their worker failed are run first, and the wait lasts
+        until they finished too: such a closure may have applied some of its
+        updates before its worker died, and its re-run (same push
+        identities: nothing applied twice) completes them. Inside the block
+        every update on the PS tasks then belongs to a closure that finished
+        (its exactly-once batches marked done), and every queued closure
+        never ran. The re-runs need a healthy worker: the wait lasts until
+        one takes them (or ``timeout``).
         """
-        quiet = self._queue.pause(timeout)
+        quiet = self._queue.pause(timeout, drain=drain)
         try:
             yield quiet
         finally:

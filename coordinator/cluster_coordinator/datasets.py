@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
+from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
 from jaxdist.cluster_coordinator.closure_queue import Closure
 from jaxdist.cluster_coordinator.remote_value import PerWorkerResourceValues, PerWorkerValues
@@ -61,6 +62,14 @@ class DataLedger:
     again; a closure re-run after a worker failure keeps its position. With
     exactly-once updates this trains on every batch of every epoch exactly
     once. Thread-safe.
+
+    In a checkpoint (:meth:`state`): the positions done, the ones given
+    back, and how far positions were handed out. A position handed out but
+    neither done nor given back (its closure queued, or running) is handed
+    out again first by a ledger restored from it (:meth:`load_state`): the
+    checkpoint's save re-ran to their end the closures that may have
+    trained in part (``ClusterCoordinator.paused(drain=True)``), so such a
+    position's closure never ran and its batch is in no saved variable.
     """
 
     def __init__(self, num_batches: int, epochs: int = 1) -> None:
@@ -71,33 +80,47 @@ class DataLedger:
         self._next = 0
         self._returned: collections.deque[int] = collections.deque()
         self._done: set[int] = set()
+        self._out: set[int] = set()  # handed out, neither done nor given back: a closure holds it
         self._lock = threading.Lock()
 
     def take(self) -> int | None:
         """The next position to train on (given-back ones first); None when the data is exhausted."""
         with self._lock:
             if self._returned:
-                return self._returned.popleft()
-            if self._next >= self.num_batches * self.epochs:
+                pos = self._returned.popleft()
+            elif self._next >= self.num_batches * self.epochs:
                 return None
-            self._next += 1
-            return self._next - 1
+            else:
+                pos = self._next
+                self._next += 1
+            self._out.add(pos)
+            return pos
 
     def give_back(self, position: int) -> None:
         """``position``'s closure was cancelled or failed: hand it out again, first."""
         with self._lock:
+            self._out.discard(position)
             if position not in self._done:
                 self._returned.appendleft(position)
 
     def mark_done(self, position: int) -> None:
         """``position``'s closure finished: its batch is trained on."""
         with self._lock:
+            self._out.discard(position)
             self._done.add(position)
 
     @property
     def completed(self) -> int:
+        """Positions whose closure finished (their batches trained on)."""
         with self._lock:
             return len(self._done)
+
+    @property
+    def remaining(self) -> int:
+        """Positions not done yet, handed out or not: what a run resumed from a checkpoint still
+        schedules (one closure per position; ``steps_per_execution(fn, k)``: one per ``k``)."""
+        with self._lock:
+            return self.num_batches * self.epochs - len(self._done)
 
     def state(self) -> dict[str, Any]:
         """Serializable state (for checkpoints): what was trained and what remains."""
@@ -107,15 +130,38 @@ class DataLedger:
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Become the ledger ``state`` describes (a checkpoint's). Positions handed out but not
-        completed then are handed out again first."""
+        completed then are handed out again first.
+
+        Raises:
+            ConfigurationError: closures hold positions of this ledger (scheduled and not yet
+                finished, failed or cancelled): the restored ledger would hand their batches out
+                again while they train them. Restore before scheduling, or after ``join()``.
+        """
         done = set(state["done"])
         returned = collections.deque(sorted(set(state["returned"]) | (set(range(state["next"])) - done)))
         with self._lock:
+            self._check_restorable()
             self.num_batches = state["num_batches"]
             self.epochs = state["epochs"]
             self._done = done
+            self._out = set()
             self._returned = returned
             self._next = state["next"]
+
+    def check_restorable(self) -> None:
+        """Raise what :meth:`load_state` would raise now (closures hold positions); ``Checkpoint.restore``
+        checks this before it changes any variable."""
+        with self._lock:
+            self._check_restorable()
+
+    def _check_restorable(self) -> None:
+        # Under the lock.
+        if self._out:
+            raise ConfigurationError(
+                f"cannot restore the data ledger while {len(self._out)} scheduled closure(s) hold batch positions "
+                "of it (queued or running): their batches would be handed out again and trained twice. Restore "
+                "the checkpoint before scheduling closures on this dataset, or after coordinator.join()"
+            )
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> DataLedger:

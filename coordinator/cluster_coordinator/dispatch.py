@@ -475,7 +475,7 @@ class Dispatcher:
         self._kick_pending = False
         idle = self._idle
         q = self._queue
-        if not idle or not q.dispatching:
+        if not idle or not q.handing_out:  # paused: nothing, unless a checkpoint's drain re-runs closures
             return
         for w in q.tagged_workers():  # resource closures, to their own worker
             h = idle.get(w)

@@ -316,3 +316,123 @@ def test_on_settled_is_told_once_how_a_closure_ended() -> None:
     failed.cancel(CancelledError("late"))  # settled already: not told again
     cancelled.cancel(CancelledError("c"))
     assert seen[:2] == [None, err] and isinstance(seen[2], CancelledError) and len(seen) == 3
+
+
+# ------------------------------------------------------------ a checkpoint's drain
+def _drainer(q: ClosureQueue) -> tuple[threading.Thread, list[bool]]:
+    """A thread in ``q.pause(drain=True)`` (a save's quiet point); its result lands in the list."""
+    out: list[bool] = []
+    t = threading.Thread(target=lambda: out.append(q.pause(timeout=30, drain=True)), name="drainer")
+    t.start()
+    return t, out
+
+
+def _requeued_after_failure(q: ClosureQueue) -> tuple[Closure, Closure]:
+    """``ran`` was running when its worker failed (re-queued: it may have run in part); ``fresh`` never ran."""
+    ran, fresh = Closure(noop), Closure(noop)
+    q.put(ran)
+    assert q.take(0) == [ran]
+    q.put(fresh)
+    q.retry(ran)
+    assert ran.attempt == 1 and fresh.attempt == 0
+    return ran, fresh
+
+
+def test_drain_reruns_requeued_closures_and_holds_the_others() -> None:
+    q = ClosureQueue()
+    wakes: list[int] = []
+    q.set_listener(lambda: wakes.append(1))
+    ran, fresh = Closure(noop), Closure(noop)
+    q.put(ran)
+    q.put(fresh)
+    assert q.take(0, max_n=2) == [ran, fresh]
+    q.retry(ran)  # its worker failed while it ran
+    q.return_unrun(fresh)  # certainly never ran (skipped in its batch): it goes ahead of ran, and is held
+    before = len(wakes)
+    t, out = _drainer(q)
+    poll_for(lambda: len(wakes) > before, 10, what="the drain to wake the dispatcher")
+    assert not q.dispatching and q.handing_out
+    assert q.take(0, max_n=4) == [ran]  # the re-run only, not the closure that never ran
+    assert not q.handing_out and q.take(1) == []
+    assert t.is_alive()  # it waits for the re-run
+    q.mark_finished()
+    t.join(10)
+    assert out == [True]
+    assert q.take(1) == []  # quiet: nothing is handed out inside the save
+    q.resume()
+    assert q.take(1) == [fresh]
+
+
+def test_drain_waits_for_a_rerun_whose_worker_fails_again() -> None:
+    q = ClosureQueue()
+    ran, _ = _requeued_after_failure(q)
+    t, out = _drainer(q)
+    poll_for(lambda: q.handing_out, 10, what="the drain")
+    assert q.take(0) == [ran]
+    q.retry(ran)  # its second worker failed too
+    assert t.is_alive() and q.take(1) == [ran] and ran.attempt == 2
+    q.mark_finished()
+    t.join(10)
+    assert out == [True]
+    q.resume()
+
+
+def test_plain_pause_leaves_requeued_closures_queued() -> None:
+    q = ClosureQueue()
+    ran, fresh = _requeued_after_failure(q)
+    assert q.pause(timeout=0)  # not draining (a restore's, the step barrier's): nothing runs
+    assert not q.handing_out and q.take(0) == []
+    q.resume()
+    assert q.take(0, max_n=2) == [ran, fresh]
+
+
+def test_drain_hands_out_a_workers_resource_closures_first() -> None:
+    q = ClosureQueue()
+    ran, _ = _requeued_after_failure(q)
+    rebuild = Closure(noop)
+    q.put_tagged(1, rebuild)  # worker:1 restarted: its dataset is rebuilt before it runs anything
+    t, _out = _drainer(q)
+    poll_for(lambda: q.handing_out, 10, what="the drain")
+    assert q.take(1) == [rebuild]
+    assert q.take(1) == [ran]
+    q.mark_finished(2)
+    t.join(10)
+    q.resume()
+
+
+def test_drain_waits_while_a_plain_pause_is_in_effect_then_goes_on() -> None:
+    q = ClosureQueue()
+    wakes: list[int] = []
+    q.set_listener(lambda: wakes.append(1))
+    ran, _ = _requeued_after_failure(q)
+    assert q.pause(timeout=0)  # e.g. the step barrier deciding skips
+    t, out = _drainer(q)
+    poll_for(lambda: q.inflight == 0 and t.is_alive(), 10, what="the drain to start")
+    assert not q.handing_out and q.take(0) == []
+    before = len(wakes)
+    q.resume()  # the plain pause ends: the drain alone is in effect and wakes the dispatcher
+    assert len(wakes) > before and q.take(0) == [ran]
+    q.mark_finished()
+    t.join(10)
+    assert out == [True]
+    q.resume()
+
+
+def test_drain_ends_when_an_error_cancels_the_requeued_closures() -> None:
+    q = ClosureQueue()
+    ran, fresh = _requeued_after_failure(q)
+    t, out = _drainer(q)
+    poll_for(lambda: q.handing_out, 10, what="the drain")
+    q.fail_all(RuntimeError("the job failed"))
+    t.join(10)
+    assert out == [True]
+    assert ran.remote_value.status is RemoteValueStatus.ABORTED and fresh.remote_value.status is RemoteValueStatus.ABORTED
+    q.resume()
+
+
+def test_drain_times_out_without_a_worker() -> None:
+    q = ClosureQueue()
+    _requeued_after_failure(q)
+    assert q.pause(timeout=0.05, drain=True) is False  # nobody took the re-run: no quiet point
+    assert not q.handing_out  # the timed-out drain no longer hands out
+    q.resume()

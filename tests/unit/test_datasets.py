@@ -56,6 +56,34 @@ def test_ledger_load_state_reissues_what_was_handed_out_but_not_done() -> None:
     assert [other.take() for _ in range(5)] == [0, 2, 3, 4, None]
 
 
+def test_ledger_remaining_counts_what_is_not_done() -> None:
+    led = DataLedger(num_batches=3, epochs=2)
+    assert led.remaining == 6
+    a, b = led.take(), led.take()
+    assert led.remaining == 6  # handed out is not done
+    led.mark_done(a)
+    led.give_back(b)
+    assert (led.remaining, led.completed) == (5, 1)
+    assert DataLedger.from_state(led.state()).remaining == 5  # what a resumed run still schedules
+
+
+def test_ledger_refuses_to_load_a_state_while_closures_hold_positions() -> None:
+    led = DataLedger(num_batches=4)
+    saved = DataLedger(num_batches=4).state()
+    held = led.take()
+    assert held is not None
+    with pytest.raises(ConfigurationError, match="1 scheduled closure"):
+        led.load_state(saved)
+    with pytest.raises(ConfigurationError):
+        led.check_restorable()
+    assert led.take() == 1  # unchanged by the refused load
+    led.mark_done(held)
+    led.give_back(1)
+    led.check_restorable()  # every position settled: a restore is safe
+    led.load_state(saved)
+    assert [led.take() for _ in range(5)] == [0, 1, 2, 3, None]
+
+
 def test_ledger_rejects_empty_data() -> None:
     with pytest.raises(ValueError):
         DataLedger(num_batches=0)
