@@ -86,8 +86,12 @@ NODES.update({f"worker:{i}": (f"w{i}", 6 + i) for i in range(NUM_WORKERS)})
 BOGUS_MAC = "02:00:00:00:00:01"  # a neighbour entry pointing here drops a peer's packets silently
 
 
-def emit(obj: dict[str, Any], lock: threading.Lock = threading.Lock()) -> None:
-    with lock:
+_EMIT_LOCK = threading.Lock()
+
+
+def emit(obj: dict[str, Any]) -> None:
+    """One JSON line on stdout (threads of the job and the driver share it)."""
+    with _EMIT_LOCK:
         print(json.dumps(obj), flush=True)
 
 
@@ -325,9 +329,11 @@ def run_job(args: argparse.Namespace) -> int:
             time.sleep(0.1)
         variables = {"seen": seen, "idsum": idsum, "per_closure": per_closure, "payload": payload}
         on_primary = {k: v.numpy().copy() for k, v in variables.items()}
+        read_first = [p[0] for p in replicas.pairs]
         for i in range(NUM_PS):  # promote each backup by hand, then read the same variables from it
             replicas.fail_over(i)
         on_backup = {k: v.numpy().copy() for k, v in variables.items()}
+        read_second = [p[0] for p in replicas.pairs]
         differ = sorted(k for k in variables if not np.array_equal(on_primary[k], on_backup[k]))
         pc = on_primary["per_closure"].ravel()
         runs: list[list[float]] = []
@@ -338,7 +344,8 @@ def run_job(args: argparse.Namespace) -> int:
                 runs.append([x, 1])
         emit({"ev": "final", "step": step, "seen": on_primary["seen"].ravel().tolist(),
               "idsum": on_primary["idsum"].ravel().tolist(), "per_closure_runs": runs,
-              "payload_values": sorted(set(on_primary["payload"].tolist())), "replicas_differ": differ})
+              "payload_values": sorted(set(on_primary["payload"].tolist())), "replicas_differ": differ,
+              "read_from": [read_first, read_second]})
         coord.shutdown()
     return 0
 
@@ -693,6 +700,9 @@ class Soak:
             self.violations.append(f"per-closure counters {final['per_closure_runs'][:20]} (want {want_runs})")
         if final["payload_values"] != [float(step)]:
             self.violations.append(f"payload elements {final['payload_values'][:10]} (want all {step})")
+        first, second = final["read_from"]
+        if any(a == b for a, b in zip(first, second)):
+            self.violations.append(f"the replicas were not both read: {first} then {second}")
         if final["replicas_differ"]:
             self.violations.append(f"primary and backup differ in {final['replicas_differ']}")
         self.final_step = step

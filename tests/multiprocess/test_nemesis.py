@@ -38,7 +38,7 @@ def _final(step: int, batches: int, epochs: int, batch: int) -> dict[str, Any]:
     return {"step": step, "seen": [float(done)] * batches,
             "idsum": [float(done * sum(range(b * batch, (b + 1) * batch))) for b in range(batches)],
             "per_closure_runs": [[1.0, step], [0.0, batches * epochs - step]], "payload_values": [float(step)],
-            "replicas_differ": []}
+            "replicas_differ": [], "read_from": [["10.0.0.2:1", "10.0.0.3:1"], ["10.0.0.4:1", "10.0.0.5:1"]]}
 
 
 def test_the_checks_catch_each_violation(nemesis: ModuleType, tmp_path: Path) -> None:
@@ -68,6 +68,9 @@ def test_the_checks_catch_each_violation(nemesis: ModuleType, tmp_path: Path) ->
     diverged = _final(12, 4, 10, B)
     diverged["replicas_differ"] = ["seen"]
     assert "differ" in violations(diverged)[0]
+    unswapped = _final(12, 4, 10, B)
+    unswapped["read_from"][1][0] = unswapped["read_from"][0][0]  # shard 0 read twice from one process
+    assert "not both read" in violations(unswapped)[0]
     assert "whole number of epochs" in violations(_final(13, 4, 10, B))[0]
 
 
