@@ -553,7 +553,8 @@ class Soak:
         rng = self.rng
         st = job.status or {}
         rec: dict[str, Any] = {"ev": "fault", "kind": kind, "run": job.run}
-        hold = rng.uniform(0.5, 3.0)
+        # Downtimes on both sides of the failure timeout (3 s) and of the PS failover delay (1.5 s).
+        hold = rng.uniform(0.5, 3.0) if kind.endswith("_kill") else rng.uniform(0.5, 8.0)
         if kind in ("worker_kill", "worker_stop"):
             target = f"worker:{rng.randrange(NUM_WORKERS)}"
         elif kind.startswith("ps_"):
