@@ -57,7 +57,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import shutil
 import signal
@@ -271,9 +270,7 @@ def run_job(args: argparse.Namespace) -> int:
                 except Exception as e:  # a status line is best effort; the driver waits for the next one
                     emit({"ev": "status_error", "error": repr(e)})
 
-        def commands() -> None:
-            for line in sys.stdin:
-                cmd = json.loads(line)
+        def execute(cmd: dict[str, Any]) -> None:
                 try:
                     if cmd["op"] == "kill":
                         cluster.kill(cmd["task"])
@@ -281,12 +278,17 @@ def run_job(args: argparse.Namespace) -> int:
                         cluster.restart(cmd["task"], timeout=300.0)
                     elif cmd["op"] == "check":
                         check_now.set()
-                        continue
+                        return
                     elif cmd["op"] == "finish":
                         finish.set()
                     emit({"ev": "done", "id": cmd["id"]})
                 except Exception as e:
                     emit({"ev": "done", "id": cmd["id"], "error": repr(e)})
+
+        def commands() -> None:
+            # One thread a command: the background worker chaos and the nemesis' own faults overlap.
+            for line in sys.stdin:
+                threading.Thread(target=execute, args=(json.loads(line),), daemon=True).start()
 
         threading.Thread(target=status_loop, daemon=True).start()
         threading.Thread(target=commands, daemon=True).start()
@@ -353,8 +355,12 @@ def run_job(args: argparse.Namespace) -> int:
 # =====================================================================================  the driver
 
 
+class JobGone(RuntimeError):
+    """The job run a command was meant for has exited (a coordinator_kill overtook it)."""
+
+
 class Job:
-    """A run of the job in the coordinator namespace; its JSON lines arrive on a queue."""
+    """A run of the job in the coordinator namespace; a thread reads its JSON lines."""
 
     def __init__(self, soak: Soak, run: int) -> None:
         self.soak = soak
@@ -375,7 +381,9 @@ class Job:
         self.proc = subprocess.Popen(["ip", "netns", "exec", lab.ns("coordinator"), *argv], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
         self.started_at = time.time()
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._answers: dict[int, dict[str, Any]] = {}
+        self._answers_cv = threading.Condition()
+        self._send_lock = threading.Lock()
         self.status: dict[str, Any] | None = None
         self.status_cv = threading.Condition()
         self.started: dict[str, Any] | None = None
@@ -408,35 +416,48 @@ class Job:
                 self.final = ev
             elif kind == "save_retry":
                 self.soak.save_retries += 1
-            self.events.put(ev)
+            elif kind == "done":
+                with self._answers_cv:
+                    self._answers[ev["id"]] = ev
+                    self._answers_cv.notify_all()
         with self.status_cv:
             self.status_cv.notify_all()
+        with self._answers_cv:
+            self._answers_cv.notify_all()
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
     def command(self, op: str, task: str = "", timeout: float = 400.0) -> None:
-        """Send ``op`` to the job and wait for its answer (kill/restart of a task it owns)."""
-        self._next_id += 1
-        cid = self._next_id
+        """Send ``op`` to the job and wait for its answer (kill/restart of a task it owns); thread-safe.
+
+        Raises:
+            JobGone: the job exited (or its stdin closed) before it answered.
+            RuntimeError: the job answered with an error, or did not answer within ``timeout``.
+        """
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": op, "task": task, "id": cid}) + "\n")
-        self.proc.stdin.flush()
+        with self._send_lock:
+            self._next_id += 1
+            cid = self._next_id
+            try:
+                self.proc.stdin.write(json.dumps({"op": op, "task": task, "id": cid}) + "\n")
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as e:  # a killed job's pipe
+                raise JobGone(f"job run {self.run} gone before {op} {task}: {e!r}") from None
         if op in ("check", "finish"):
             return
         deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self.alive():
-                raise RuntimeError(f"job gave no answer to {op} {task} ({'exited' if not self.alive() else 'timeout'})")
-            try:
-                ev = self.events.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if ev.get("ev") == "done" and ev.get("id") == cid:
-                if "error" in ev:
-                    raise RuntimeError(f"job: {op} {task}: {ev['error']}")
-                return
+        with self._answers_cv:
+            while cid not in self._answers:
+                left = deadline - time.monotonic()
+                if not self.alive():
+                    raise JobGone(f"job run {self.run} exited before it answered {op} {task}")
+                if left <= 0:
+                    raise RuntimeError(f"job gave no answer to {op} {task} within {timeout:.0f} s")
+                self._answers_cv.wait(min(left, 1.0))
+            ev = self._answers.pop(cid)
+        if "error" in ev:
+            raise RuntimeError(f"job: {op} {task}: {ev['error']}")
 
     def wait_status(self, pred: Any, timeout: float, after: float = 0.0) -> dict[str, Any] | None:
         """The first status line (emitted after ``after``) that satisfies ``pred``; None on timeout/exit."""
@@ -470,7 +491,8 @@ class Job:
         self.log.close()
 
     def tail(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return (self.soak.workdir / f"job-{self.run}.log").read_text(errors="replace")[-4000:]
 
 
@@ -492,10 +514,22 @@ class Soak:
         self.pids_seen: set[int] = set()
         self.shm_seen: set[str] = set()
         self.last_saved = 0
+        self.relaunched_at = 0.0
         self.save_retries = 0
         self.run = 0
         self.job: Job | None = None
         self._stop_sampler = threading.Event()
+        # Background worker chaos (--worker-chaos): runs while a fault is held and between faults,
+        # paused (its cycle in flight finished first) while the nemesis waits for a recovery.
+        self.chaos_rng = random.Random(args.seed + 1)
+        self.chaos_paused = threading.Event()
+        self.chaos_cycle = threading.Lock()
+        self.chaos_kills = 0
+        # Workers a fault is acting on: the chaos and the nemesis never restart one task at once
+        # (two restarts of one task would race for its port).
+        self.busy: set[str] = set()
+        self.busy_cv = threading.Condition()
+        self.chaos_skipped = 0
         self.out = open(args.out, "a") if args.out else None
 
     def log(self, obj: dict[str, Any]) -> None:
@@ -540,6 +574,43 @@ class Soak:
             self.violations.append(f"run {job.run} resumed at step {job.started['step']} but step {self.last_saved} "
                                    "was saved (an acknowledged checkpoint lost)")
 
+    def _worker_chaos(self) -> None:
+        while not self._stop_sampler.wait(self.chaos_rng.uniform(0.5, 1.5) * self.args.worker_chaos):
+            victim = f"worker:{self.chaos_rng.randrange(NUM_WORKERS)}"
+            downtime = self.chaos_rng.uniform(0.2, 2.0)
+            if self.chaos_paused.is_set():
+                continue
+            with self.busy_cv:
+                if victim in self.busy:
+                    continue  # the nemesis is acting on it
+                self.busy.add(victim)
+            try:
+                self._chaos_cycle(victim, downtime)
+            finally:
+                with self.busy_cv:
+                    self.busy.discard(victim)
+                    self.busy_cv.notify_all()
+
+    def _chaos_cycle(self, victim: str, downtime: float) -> None:
+        with self.chaos_cycle:
+            job = self.job
+            if job is None or not job.alive():
+                return
+            try:
+                job.command("kill", victim)
+                self.chaos_kills += 1
+                time.sleep(downtime)  # the worker's downtime, not a synchronisation
+                job.command("restart", victim)
+            except JobGone:
+                self.chaos_skipped += 1  # a coordinator_kill overtook it: its cluster is gone anyway
+            except RuntimeError as e:
+                self.violations.append(f"background chaos: {e}")
+
+    def pause_chaos(self) -> None:
+        self.chaos_paused.set()
+        with self.chaos_cycle:  # the cycle in flight (if any) has restarted its worker
+            pass
+
     # ------------------------------------------------------------------ faults
     def schedule(self) -> Any:
         """The fault schedule: the kinds in a seeded shuffled order, round after round."""
@@ -548,33 +619,10 @@ class Soak:
             self.rng.shuffle(order)
             yield from order
 
-    def inject(self, kind: str, job: Job) -> dict[str, Any]:
-        """Inject one fault and lift it; returns its record (the job after it may be a new run)."""
-        rng = self.rng
-        st = job.status or {}
-        rec: dict[str, Any] = {"ev": "fault", "kind": kind, "run": job.run}
-        # Downtimes on both sides of the failure timeout (3 s) and of the PS failover delay (1.5 s).
-        hold = rng.uniform(0.5, 3.0) if kind.endswith("_kill") else rng.uniform(0.5, 8.0)
-        if kind in ("worker_kill", "worker_stop"):
-            target = f"worker:{rng.randrange(NUM_WORKERS)}"
-        elif kind.startswith("ps_"):
-            shard = rng.randrange(NUM_PS)
-            address = st["pairs"][shard][0 if kind.startswith("ps_primary") else 1]
-            target = next(n for n, a in st["addresses"].items() if a == address)
-        elif kind.startswith("coordinator"):
-            target = "coordinator"
-        elif kind == "partition":
-            a, b = rng.sample(sorted(NODES), 2)
-            target = f"{a}|{b}"
-            hold = rng.uniform(2.0, 8.0)
-        else:
-            target = rng.choice(sorted(NODES))
-            rate = rng.choice(["1mbit", "2mbit", "4mbit"])
-            rec["rate"] = rate
-            hold = rng.uniform(2.0, 8.0)
-        rec["target"] = target
-        rec["hold_s"] = round(hold, 2)
+    def _act(self, kind: str, target: str, rec: dict[str, Any], hold: float, job: Job, st: dict[str, Any]) -> float:
+        """Inject ``kind`` on ``target`` for ``hold`` seconds and lift it; returns when it was injected."""
         t_inject = time.time()
+        self.relaunched_at = 0.0
         if kind.endswith("_kill") and target != "coordinator":
             job.command("kill", target)
             time.sleep(hold)  # the downtime (the fault's length), not a synchronisation
@@ -592,7 +640,7 @@ class Soak:
             # The tasks poll their launcher: they exit by themselves. The re-run starts once all are gone.
             if not poll(lambda: not any(alive(p) for p in pids) and not self.lab.pids(), 120):
                 self.violations.append(f"tasks of run {job.run} still alive 120 s after its coordinator was killed")
-            t_relaunch = time.time()
+            self.relaunched_at = time.time()
             job = self.start_job()
             self.wait_started(job, 600)
         elif kind == "partition":
@@ -608,9 +656,54 @@ class Soak:
                 time.sleep(hold)
             finally:
                 self.lab.unthrottle(target)
+        return t_inject
+
+    def inject(self, kind: str, job: Job) -> dict[str, Any]:
+        """Inject one fault and lift it; returns its record (the job after it may be a new run)."""
+        rng = self.rng
+        st = job.status or {}
+        rec: dict[str, Any] = {"ev": "fault", "kind": kind, "run": job.run}
+        # Downtimes on both sides of the failure timeout (3 s) and of the PS failover delay (1.5 s).
+        hold = rng.uniform(0.5, 3.0) if kind.endswith("_kill") else rng.uniform(0.5, 8.0)
+        if kind in ("worker_kill", "worker_stop"):
+            target = f"worker:{rng.randrange(NUM_WORKERS)}"
+            claimed = time.time()
+            with self.busy_cv:
+                while target in self.busy:  # the background chaos' cycle on it ends with a restart
+                    self.busy_cv.wait()
+                self.busy.add(target)
+            # Its pid from a status line newer than the claim: a restart by the chaos changes it.
+            if kind == "worker_stop":
+                st = job.wait_status(lambda s: True, self.args.recovery_timeout, after=claimed) or st
+        elif kind.startswith("ps_"):
+            shard = rng.randrange(NUM_PS)
+            address = st["pairs"][shard][0 if kind.startswith("ps_primary") else 1]
+            target = next(n for n, a in st["addresses"].items() if a == address)
+        elif kind.startswith("coordinator"):
+            target = "coordinator"
+        elif kind == "partition":
+            a, b = rng.sample(sorted(NODES), 2)
+            target = f"{a}|{b}"
+            hold = rng.uniform(2.0, 8.0)
+        else:
+            target = rng.choice(sorted(NODES))
+            rate = rng.choice(["1mbit", "2mbit", "4mbit"])
+            rec["rate"] = rate
+            hold = rng.uniform(2.0, 8.0)
+        rec["target"] = target
+        rec["hold_s"] = round(hold, 2)
+        try:
+            t_inject = self._act(kind, target, rec, hold, job, st)
+        finally:
+            with self.busy_cv:
+                self.busy.discard(target)
+                self.busy_cv.notify_all()
+        assert self.job is not None
+        job, t_relaunch = self.job, self.relaunched_at
         # A re-run coordinator has recovered once it trains again: from its launch (cluster start and
         # restore included); every other fault from the moment it was lifted.
         t_heal = t_relaunch if kind == "coordinator_kill" else time.time()
+        self.pause_chaos()
         finished_at_heal = job.status["finished"] if (job.status and kind != "coordinator_kill") else 0
         rec["outage_s"] = round(t_heal - t_inject, 3)
         got = job.wait_status(lambda s: healthy(s) and s["finished"] > finished_at_heal, self.args.recovery_timeout,
@@ -625,6 +718,7 @@ class Soak:
         else:
             rec["recovery_s"] = round(got["t"] - t_heal, 3)
         rec["run"] = job.run
+        self.chaos_paused.clear()
         return rec
 
     # ------------------------------------------------------------------ the soak
@@ -634,14 +728,19 @@ class Soak:
                   "replay": f"{sys.executable} {os.path.abspath(__file__)} --seed {args.seed} --minutes {args.minutes} "
                             f"--rounds {args.rounds} --faults {','.join(self.kinds)} "
                             f"--interval {','.join(str(x) for x in args.interval)} --batches {args.batches} "
-                            f"--epochs {args.epochs} --shm {args.shm}"})
+                            f"--epochs {args.epochs} --shm {args.shm} --worker-chaos {args.worker_chaos}"})
         sampler = threading.Thread(target=self._sample_shm, daemon=True)
         sampler.start()
+        chaos = threading.Thread(target=self._worker_chaos, daemon=True) if args.worker_chaos else None
+        self.chaos_paused.set()  # until the job trains
+        if chaos is not None:
+            chaos.start()
         job = self.start_job()
         try:
             self.wait_started(job, 600)
             if job.wait_status(lambda s: healthy(s) and s["finished"] > 0, 600) is None:
                 raise RuntimeError(f"the job never trained; log:\n{job.tail()}")
+            self.chaos_paused.clear()
             for i, kind in enumerate(self.schedule()):
                 if time.time() >= self.fault_deadline or job.trained is not None:
                     break
@@ -655,6 +754,7 @@ class Soak:
                 if self.violations:
                     break
             assert job is not None
+            self.pause_chaos()
             if not self.violations:
                 self.finish(job)
         except Exception as e:
@@ -664,6 +764,8 @@ class Soak:
                 self.job.kill()
             self._stop_sampler.set()
             sampler.join()
+            if chaos is not None:
+                chaos.join()
             self.leftovers()
         summary = self.summary()
         self.log(summary)
@@ -729,7 +831,8 @@ class Soak:
         return {"ev": "summary", "seed": self.args.seed, "elapsed_s": round(time.time() - self.t0, 1),
                 "faults": {k: counts.get(k, 0) for k in self.kinds}, "total_faults": len(self.records),
                 "recovery": rec, "coordinator_runs": self.run, "closures": getattr(self, "final_step", None),
-                "save_retries": self.save_retries, "shm_files_seen": len(self.shm_seen),
+                "save_retries": self.save_retries, "background_worker_kills": self.chaos_kills,
+                "background_cycles_overtaken": self.chaos_skipped, "shm_files_seen": len(self.shm_seen),
                 "violations": self.violations}
 
 
@@ -761,6 +864,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated kinds (default all: {','.join(KINDS)})")
     p.add_argument("--interval", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.5, 2.0),
                    help="seconds between one fault's recovery and the next fault, drawn from this range (default 0.5,2)")
+    p.add_argument("--worker-chaos", type=float, default=0.0, metavar="SECONDS",
+                   help="also SIGKILL and restart a random worker about every SECONDS in the background, overlapping "
+                        "the other faults (a coordinator_kill included); 0 (default): off")
     p.add_argument("--batches", type=int, default=16, help="batches an epoch")
     p.add_argument("--epochs", type=int, default=0,
                    help="the most epochs (training ends after the faults; default: enough for --minutes at 120 closures/s, "
