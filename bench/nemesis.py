@@ -511,7 +511,9 @@ class Soak:
         self.fault_deadline = self.t0 + args.minutes * 60
         self.records: list[dict[str, Any]] = []
         self.violations: list[str] = []
-        self.pids_seen: set[int] = set()
+        # pid -> its start time: a pid alive at the end is ours only if it started then (the machine's
+        # other processes reuse pids: pid_max may be 32768).
+        self.pids_seen: dict[int, str] = {}
         self.shm_seen: set[str] = set()
         self.last_saved = 0
         self.relaunched_at = 0.0
@@ -539,13 +541,17 @@ class Soak:
             self.out.flush()
 
     def note_pids(self, pids: Any) -> None:
-        self.pids_seen.update(p for p in pids if p)
+        for p in pids:
+            if p and p not in self.pids_seen:
+                started = start_time(p)
+                if started is not None:
+                    self.pids_seen[p] = started
 
     def _sample_shm(self) -> None:
         """Remember every /dev/shm/jaxdist-* file a process of the lab holds (mapped or open)."""
         while not self._stop_sampler.wait(1.0):
             for pid in self.lab.pids():
-                self.pids_seen.add(pid)
+                self.note_pids([pid])
                 try:
                     with open(f"/proc/{pid}/maps") as f:
                         for line in f:
@@ -813,7 +819,7 @@ class Soak:
     def leftovers(self) -> None:
         if not poll(lambda: not self.lab.pids(), 120):
             self.violations.append(f"processes left in the namespaces: {self.lab.pids()}")
-        left = sorted(p for p in self.pids_seen if alive(p))
+        left = sorted(p for p, started in self.pids_seen.items() if alive(p) and start_time(p) == started)
         if left:
             self.violations.append(f"processes left behind: {left}")
         shm = sorted(f for f in self.shm_seen if os.path.exists(f))
@@ -834,6 +840,15 @@ class Soak:
                 "save_retries": self.save_retries, "background_worker_kills": self.chaos_kills,
                 "background_cycles_overtaken": self.chaos_skipped, "shm_files_seen": len(self.shm_seen),
                 "violations": self.violations}
+
+
+def start_time(pid: int) -> str | None:
+    """The process' start time (clock ticks since boot, /proc/PID/stat field 22); None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def alive(pid: int) -> bool:
