@@ -43,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -65,6 +66,7 @@ _MODULES = {"ps": "jaxdist.ps_server", "ps_backup": "jaxdist.ps_server", "worker
 class _Task:
     role: str
     index: int
+    host: str = "127.0.0.1"
     port: int = 0
     metrics_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
@@ -79,7 +81,7 @@ class _Task:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
 
 def _parse_task(task: str | tuple[str, int]) -> tuple[str, int]:
@@ -111,6 +113,13 @@ class LocalCluster:
             them for clients in this process.
         metrics: every task serves Prometheus metrics on a free port
             (:meth:`metrics_address`).
+        hosts: task name (``"ps:0"``) -> the address that task binds and is
+            reached at (default ``127.0.0.1``); for tasks on other interfaces,
+            e.g. each in its own network namespace.
+        launch_prefix: task name -> the argv that runs the task's command
+            (e.g. ``["ip", "netns", "exec", "ns0"]``); the prefix must exec the
+            command in place (the launched pid is the task's), as ``ip netns
+            exec`` and ``env`` do, so kill, restart and partition reach the task.
     """
 
     def __init__(
@@ -126,6 +135,8 @@ class LocalCluster:
         tls_dir: str | None = None,
         metrics: bool = True,
         ps_backups: bool = False,
+        hosts: Mapping[str, str] | None = None,
+        launch_prefix: Callable[[str], Sequence[str]] | None = None,
     ) -> None:
         if num_workers < 0 or num_ps < 0:
             raise ConfigurationError("num_workers and num_ps must be >= 0")
@@ -151,6 +162,13 @@ class LocalCluster:
         if ps_backups:
             self._tasks.update({("ps_backup", i): _Task("ps_backup", i) for i in range(num_ps)})
         self._tasks.update({("worker", i): _Task("worker", i) for i in range(num_workers)})
+        self._hosts = dict(hosts or {})
+        unknown = sorted(set(self._hosts) - {t.name for t in self._tasks.values()})
+        if unknown:
+            raise ConfigurationError(f"LocalCluster: hosts names tasks the cluster does not have: {unknown}")
+        for t in self._tasks.values():
+            t.host = self._hosts.get(t.name, t.host)
+        self._launch_prefix = launch_prefix
         self._lock = threading.Lock()
         self._started = False
         self._timers: list[threading.Timer] = []
@@ -190,12 +208,14 @@ class LocalCluster:
         env.pop(ENV_JAXDIST_CLUSTER, None)
         if self.tls is not None:
             env.update(self.tls.env())
-        cmd = [sys.executable, "-m", _MODULES[t.role], "--port", str(t.port), "--task-index", str(t.index)]
+        cmd = [sys.executable, "-m", _MODULES[t.role], "--host", t.host, "--port", str(t.port), "--task-index", str(t.index)]
         if self.metrics:
             cmd += ["--metrics-port", "0"]
         if t.role in ("ps", "ps_backup"):
             cmd += self._ps_args
         cmd += extra or t.extra_args
+        if self._launch_prefix is not None:
+            cmd = [*self._launch_prefix(t.name), *cmd]
         t.extra_args = list(extra or t.extra_args)
         self._expected_exit.discard((t.role, t.index))  # a new process: its own death would be news
         t.log_path = os.path.join(self.log_dir, f"{t.role}-{t.index}.log")
@@ -393,7 +413,7 @@ class LocalCluster:
         """
         with self._lock:
             index = 1 + max((i for (r, i) in self._tasks if r == "worker"), default=-1)
-            t = _Task("worker", index)
+            t = _Task("worker", index, host=self._hosts.get(f"worker:{index}", "127.0.0.1"))
             self._tasks[("worker", index)] = t
         ready: queue.Queue[tuple[_Task, int | None]] = queue.Queue()
         self._spawn(t, ready, ["--register-with", register_with] if register_with else [])
@@ -404,7 +424,7 @@ class LocalCluster:
         return self._tasks[_parse_task(task)].address
 
     def metrics_address(self, task: str | tuple[str, int]) -> str:
-        """``127.0.0.1:port`` of the task's Prometheus endpoint (``http://.../metrics``); changes when it restarts.
+        """``host:port`` of the task's Prometheus endpoint (``http://.../metrics``); changes when it restarts.
 
         Raises:
             RuntimeError: metrics are off (``metrics=False``) or the task has not started.
@@ -412,7 +432,7 @@ class LocalCluster:
         t = self._tasks[_parse_task(task)]
         if not t.metrics_port:
             raise RuntimeError(f"{t.name} serves no metrics (LocalCluster(metrics=True) and a started task needed)")
-        return f"127.0.0.1:{t.metrics_port}"
+        return f"{t.host}:{t.metrics_port}"
 
     def terminate(self, task: str | tuple[str, int], timeout: float = 30.0) -> int | None:
         """SIGTERM a task (a graceful leave: a registered worker deregisters first); returns its exit code."""
