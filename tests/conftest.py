@@ -26,6 +26,18 @@ RUN_TMP = tempfile.mkdtemp(prefix="jaxdist-tests-")
 os.environ["TMPDIR"] = RUN_TMP
 tempfile.tempdir = RUN_TMP
 
+#: One persistent XLA compilation cache per run, shared by every subprocess the tests start (inherited
+#: through the environment): a Keras fit script, a fake-device check process, a re-run after a SIGKILL,
+#: a cluster's tasks compile the same programs over and over, and compiling is most of their CPU time.
+#: JAX keys an entry by the program, its compile options, the devices, the XLA flags and the JAX
+#: version, so a hit is the executable the process would have compiled. Every entry is kept (no
+#: minimum compile time). The pytest process itself does not use it (turned off below, once JAX is
+#: imported): JAX writes an entry in place, and a read that met another process's half-written entry
+#: would warn (an error in this process, fallback to compiling elsewhere).
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(RUN_TMP, "jax-compilation-cache")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+
 TOKEN = "test-token"
 
 #: The docs' local Sphinx extensions (docs/_ext/jaxdist_sphinx), imported by tests/docs. Put on the path
@@ -44,6 +56,10 @@ CREDS = Credentials(TOKEN)
 
 # One harness: tests that still do ``from conftest import poll_for`` get jaxdist.testing's.
 from jaxdist.testing import Leftovers, poll_for  # noqa: E402,F401
+
+import jax  # noqa: E402
+
+jax.config.update("jax_enable_compilation_cache", False)  # the subprocesses' cache only (above)
 
 #: Fixtures wider than one test (module or session scope) whose threads and processes outlive
 #: each test that uses them: tests using one are checked when their module ends instead.

@@ -639,9 +639,18 @@ def test_primary_stopped_fails_over_to_its_backup() -> None:
     """Replication: with ps:0 gone, closures meeting it are held and retried; its backup is promoted,
     the workers follow it, and ps:0 restarted (empty) is attached as the new backup.
 
-    ps:0 is stopped between closures: an in-process stop also closes the stopped primary's channel to
+    ps:0 is stopped between pushes: an in-process stop also closes the stopped primary's channel to
     its backup while its handler threads still run, a double failure a real crash cannot produce (the
-    SIGKILL version, with pushes in flight, is tests/multiprocess/test_replication.py)."""
+    SIGKILL version, with pushes in flight, is tests/multiprocess/test_replication.py). One closure is
+    running when ps:0 stops and pushes after it (a gate, not a race), so one closure meets the dead
+    primary whatever the watcher does first."""
+    in_flight = gates.new_name("in_flight")
+
+    def gated() -> None:
+        gates.arrive(in_flight)
+        gates.event(in_flight).wait(30)  # ps:0 is stopped while this closure runs; its re-run passes
+        counter.assign_add(1)
+
     with InProcessCluster(num_workers=2, num_ps=1, ps_backups=True) as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         replicas = strategy.replicas
@@ -651,13 +660,16 @@ def test_primary_stopped_fails_over_to_its_backup() -> None:
         with jaxdist.ClusterCoordinator(strategy) as coord:
             before = [coord.schedule(lambda: counter.assign_add(1) and None) for _ in range(20)]
             coord.join()
+            after = [coord.schedule(gated)]
+            poll_for(lambda: gates.arrivals(in_flight) >= 1, 30, what="a closure in flight")
             cluster.stop_task("ps:0")
-            after = [coord.schedule(lambda: counter.assign_add(1) and None) for _ in range(20)]
+            gates.event(in_flight).set()
+            after += [coord.schedule(lambda: counter.assign_add(1) and None) for _ in range(19)]
             poll_for(lambda: replicas.failovers == 1, 30, what="the failover")
             coord.join()
             assert all(rv.status is RemoteValueStatus.READY for rv in before + after)
             assert int(counter.numpy()) == 40
-            assert coord.closure_counts.retried >= 1 and coord.dispatching
+            assert coord.closure_counts.retried >= 1 and coord.dispatching  # the gated closure, at least
             cluster.restart_task("ps:0")
             poll_for(lambda: replicas.status(0)[1], 30, what="ps:0 attached as the new backup")
             assert replicas.pairs[0] == [cluster.address("ps_backup:0"), cluster.address("ps:0")]

@@ -20,6 +20,11 @@ from typing import Any
 import pytest
 
 GLOBAL_BATCH = 32
+#: How long a survivor of a killed peer gets to exit. Failing fast means being ended by a failure
+#: detector (jaxdist's peer heartbeats, 3 s by default, or JAX's own runtime client), which the tests
+#: check by the message it prints, not by a time: this bound only tells "detected" from "never" (a hang,
+#: or a step that waits out the 900 s collective timeout conftest.XLA_TEST_FLAGS gives XLA).
+SURVIVOR_EXIT_S = 120
 NUM_EXAMPLES = 100  # 3 full global batches, then a short one of 4 rows
 EPOCHS = 2
 
@@ -196,7 +201,7 @@ def _child_loop(progress_path: str, on_peer_failure: str = "abort") -> None:
                 with open(progress_path, "a") as f:
                     f.write(f"{step}\n")
     except sd.PeerFailedError as e:
-        print(f"CAUGHT PeerFailedError task={e.task} rank={e.rank}", flush=True)
+        print(f"CAUGHT PeerFailedError task={e.task} rank={e.rank}: {e}", flush=True)
         sys.exit(3)
 
 
@@ -372,14 +377,14 @@ def test_killed_worker_makes_survivor_fail_fast(tmp_path: Path) -> None:
     os.kill(procs[1].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     try:
-        procs[0].wait(timeout=30)
+        procs[0].wait(timeout=SURVIVOR_EXIT_S)
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
     (rc, _so, se), _ = _finish(procs, timeout=5)
     assert rc == EXIT_PEER_FAILED, f"survivor rc={rc} after {elapsed:.1f}s:\n{se[-4000:]}"
-    assert elapsed < 10, f"survivor took {elapsed:.1f}s to fail"
-    assert "PeerFailedError" in se and "worker:1" in se and "presumed dead" in se, se[-3000:]
+    # Ended by the peer heartbeats (process 0 hosts their state): worker:1 fell silent, not a timed-out step.
+    assert "PeerFailedError" in se and "worker:1 (process 1) sent no heartbeat" in se and "presumed dead" in se, se[-3000:]
 
 
 @pytest.mark.multiprocess
@@ -396,13 +401,13 @@ def test_killed_chief_makes_survivor_fail_fast(tmp_path: Path) -> None:
     os.kill(procs[0].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     try:
-        procs[1].wait(timeout=30)
+        procs[1].wait(timeout=SURVIVOR_EXIT_S)
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
     _, (rc, _so, se) = _finish(procs, timeout=5)
-    assert rc != 0 and rc is not None, f"survivor rc={rc}"
-    assert elapsed < 10, f"survivor took {elapsed:.1f}s to fail"
+    assert rc != 0 and rc is not None, f"survivor rc={rc} after {elapsed:.1f}s"
+    # Ended by a failure detector (JAX's runtime client, or jaxdist's heartbeats as the backstop), not a hang.
     assert "another task died" in se or "PeerFailedError" in se, se[-3000:]
 
 
@@ -422,14 +427,14 @@ def test_killed_worker_raises_typed_error_in_raise_mode(tmp_path: Path) -> None:
     os.kill(procs[1].pid, signal.SIGKILL)
     killed_at = time.monotonic()
     try:
-        procs[0].wait(timeout=30)
+        procs[0].wait(timeout=SURVIVOR_EXIT_S)
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
     (rc, so, se), _ = _finish(procs, timeout=5)
     assert "CAUGHT PeerFailedError task=worker:1 rank=1" in so, f"rc={rc}\n{so[-1000:]}\n{se[-3000:]}"
-    assert rc == EXIT_PEER_FAILED, f"rc={rc}\n{se[-3000:]}"
-    assert elapsed < 10, f"survivor took {elapsed:.1f}s to fail"
+    assert rc == EXIT_PEER_FAILED, f"rc={rc} after {elapsed:.1f}s\n{se[-3000:]}"
+    assert "worker:1 (process 1) sent no heartbeat" in so and "presumed dead" in so, so[-3000:]  # the heartbeats ended it
 
 
 if __name__ == "__main__":
