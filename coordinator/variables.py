@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import operator
+import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -444,15 +445,26 @@ _signatures: dict[tuple[tuple[str, Op], ...], str] = {}
 _SIGNATURES_KEPT = 1024
 
 
+#: A shard of a partitioned variable (``ShardedVariable``): ``{name}/part_{i}``.
+_SHARD_SUFFIX = re.compile(r"/part_\d+$")
+_NO_VALUE = np.zeros(0, np.float32)  # push_digest reads names and ops only
+
+
 def _signature(updates: Sequence[Update]) -> str:
-    """What a push names (:func:`~jaxdist.ps_server.store.push_digest` of all its parts): the closure
-    identity counts pushes per signature (:meth:`jaxdist.worker.context.ClosureIdentity.next_update_id`)."""
+    """What a push names: :func:`~jaxdist.ps_server.store.push_digest` of its parts with each shard
+    named by its partitioned variable. The closure identity counts pushes per signature
+    (:meth:`jaxdist.worker.context.ClosureIdentity.next_update_id`).
+
+    Shards are named by their variable because the shards a row-sparse push reaches depend on its rows
+    (the batch): a re-run's sparse push to other shards is the same update as its first attempt's, and
+    a dense gradient pushed with it must not become a second update because of the rows."""
     key = tuple([(u.name, u.op) for u in updates])
     sig = _signatures.get(key)
     if sig is None:
         if len(_signatures) >= _SIGNATURES_KEPT:
             _signatures.clear()
-        sig = _signatures[key] = push_digest(updates)
+        logical = {(_SHARD_SUFFIX.sub("", u.name), u.op) for u in updates}
+        sig = _signatures[key] = push_digest([Update(name, op, _NO_VALUE) for name, op in logical])
     return sig
 
 

@@ -180,3 +180,20 @@ def test_pushes_outside_a_closures_threads() -> None:
     t.start()
     t.join()
     assert seen == [None]
+
+
+def test_a_push_is_signed_by_its_variables_not_by_the_shards_its_rows_reached() -> None:
+    """A row-sparse push to a partitioned variable reaches the shards its rows fall in: a re-run on
+    other rows is the same update, and a dense gradient pushed with it stays one update."""
+    import numpy as np
+
+    from jaxdist import variables
+    from jaxdist.proto.ps_wire import Op, Update
+
+    def sig(*names: str, op: Op = Op.SPARSE_APPLY_GRADIENT) -> str:
+        return variables._signature([Update(n, op, np.zeros(1, np.float32)) for n in names])
+
+    assert sig("emb/part_0") == sig("emb/part_1") == sig("emb/part_0", "emb/part_2")
+    assert sig("dense", "emb/part_0") == sig("emb/part_1", "dense")
+    assert sig("emb/part_0") != sig("emb2/part_0") and sig("emb/part_0") != sig("emb/part_0", op=Op.ASSIGN_ADD)
+    assert sig("dense") != sig("dense", "emb/part_0")
