@@ -280,11 +280,12 @@ class UnidentifiedPushError(ConfigurationError):
 class UpdateMismatchError(JaxdistError):
     """A push repeats an update identity the PS already applied, but to other variables or ops.
 
-    A re-run closure repeats its pushes' identities (its position-th push is
-    the same update); one that took another path pushed something else at
-    that position. The PS refuses it rather than drop it as a duplicate.
-    Closures must push the same variables with the same ops, in the same
-    order, on every attempt.
+    An identity names one update. The identities of a closure's pushes
+    include what each push names (variables and ops), so a re-run closure
+    never repeats one with something else, whatever path it takes; this error
+    means two different pushes were given one identity (an identity made by
+    hand on the PS client, or a client that numbers pushes otherwise). The PS
+    refuses the second rather than drop it as a duplicate.
     """
 
     code = grpc.StatusCode.FAILED_PRECONDITION

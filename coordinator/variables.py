@@ -7,17 +7,19 @@ and inside closures on workers, through the worker's connections (its
 :class:`~jaxdist.worker.context.TaskContext`).
 
 Inside a closure, pushes carry an identity (coordinator run, closure id, the
-pushing thread's place among the threads the closure started, push sequence
-number): a closure re-executed after a worker failure makes the same pushes
-with the same identities, and each PS applies each identity at most once (see
-the README, "Exactly-once updates"). A push on a worker that cannot carry an
-identity is refused (:class:`~jaxdist.base.errors.UnidentifiedPushError`).
+pushing thread's place among the threads the closure started, what the push
+names and its count among that thread's pushes naming the same): a closure
+re-executed after a worker failure gives its pushes the same identities, and
+each PS applies each identity at most once (see docs/exactly-once.md). A push
+on a worker that cannot carry an identity is refused
+(:class:`~jaxdist.base.errors.UnidentifiedPushError`).
 """
 
 from __future__ import annotations
 
 import abc
 import operator
+import re
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -31,6 +33,7 @@ from jaxdist.proto import ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
+from jaxdist.ps_server.store import push_digest
 from jaxdist.worker import prefetch
 from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
@@ -457,6 +460,35 @@ def locate_rows(parts: Sequence[tuple[Variable, int]], dim0: int, idx: np.ndarra
     return shard_of, idx - firsts[shard_of]
 
 
+#: push_digest of recent pushes, by their ``(name, op)`` pairs: a training loop pushes the same few
+#: variable sets over and over, and digesting a large model's names costs more than looking them up.
+_signatures: dict[tuple[tuple[str, Op], ...], str] = {}
+_SIGNATURES_KEPT = 1024
+
+
+#: A shard of a partitioned variable (``ShardedVariable``): ``{name}/part_{i}``.
+_SHARD_SUFFIX = re.compile(r"/part_\d+$")
+_NO_VALUE = np.zeros(0, np.float32)  # push_digest reads names and ops only
+
+
+def _signature(updates: Sequence[Update]) -> str:
+    """What a push names: :func:`~jaxdist.ps_server.store.push_digest` of its parts with each shard
+    named by its partitioned variable. The closure identity counts pushes per signature
+    (:meth:`jaxdist.worker.context.ClosureIdentity.next_update_id`).
+
+    Shards are named by their variable because the shards a row-sparse push reaches depend on its rows
+    (the batch): a re-run's sparse push to other shards is the same update as its first attempt's, and
+    a dense gradient pushed with it must not become a second update because of the rows."""
+    key = tuple([(u.name, u.op) for u in updates])
+    sig = _signatures.get(key)
+    if sig is None:
+        if len(_signatures) >= _SIGNATURES_KEPT:
+            _signatures.clear()
+        logical = {(_SHARD_SUFFIX.sub("", u.name), u.op) for u in updates}
+        sig = _signatures[key] = push_digest([Update(name, op, _NO_VALUE) for name, op in logical])
+    return sig
+
+
 def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]) -> None:
     """Push ``(variable, op, value, indices)`` updates: one atomic push per PS task, in parallel.
 
@@ -472,7 +504,8 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     conns = _connections_of(variables)
     # Handles without connections of their own push through the worker's: such a push must carry
     # the closure's identity (or is refused), a coordinator's push carries none.
-    update_id = next_update_id(own_connections=any(v._conns is not None for v in variables))
+    update_id = next_update_id(own_connections=any(v._conns is not None for v in variables),
+                               signature=_signature([u for specs in by_ps.values() for u in specs]))
     contributor = current_contributor()
     if contributor < 0:
         conns.fan_out({ps: operator.methodcaller("push", specs, update_id=update_id) for ps, specs in by_ps.items()})
@@ -586,7 +619,8 @@ def _push_pull_arrays(
         raise ValueError("push_pull: a gradient for a variable that is not in `variables`")
     everything = [var for var, *_ in updates] + list(flat)
     conns = _connections_of(everything)
-    update_id = next_update_id(own_connections=any(v._conns is not None for v in everything)) if pushes else ""
+    update_id = next_update_id(own_connections=any(v._conns is not None for v in everything),
+                               signature=_signature([u for specs in pushes.values() for u in specs])) if pushes else ""
     contributor = current_contributor()
     calls = {}
     for ps, idxs in reads.items():

@@ -12,9 +12,11 @@ Contract:
   re-executed push with the same id is acknowledged as a duplicate and does
   nothing. The store remembers the last ``dedupe_capacity`` ids, each with
   the digest of the variables and ops it named (:func:`push_digest`): a
-  push that repeats an id with other variables or ops (a re-run closure that
-  took another path) is refused with :class:`UpdateMismatchError`, never
-  dropped silently.
+  push that repeats an id with other variables or ops (two different pushes
+  given one identity) is refused with :class:`UpdateMismatchError`, never
+  dropped silently. Closure identities include that digest (see
+  :class:`jaxdist.worker.context.ClosureIdentity`), so a re-run closure that
+  takes another path never meets this refusal.
 - Values handed out by :meth:`read` are snapshots: later updates never change
   an array a reader already holds (dense updates build new arrays; in-place
   row updates copy first while a reader holds the array).
@@ -440,8 +442,8 @@ class VariableStore:
                         if seen and seen != digest:
                             raise UpdateMismatchError(
                                 f"update {update_id!r} was applied naming other variables or ops than this push "
-                                f"({', '.join(sorted({u.name for u in updates}))}): a re-run closure must push the same "
-                                "variables with the same ops in the same order as its first attempt"
+                                f"({', '.join(sorted({u.name for u in updates}))}): an update identity names one push, "
+                                "give each different push an identity of its own"
                             )
                         self.duplicates_dropped += 1
                         return [self._vars[u.name].version if u.name in self._vars else 0 for u in updates], True

@@ -80,13 +80,20 @@ _NONE = (
 
 
 class ClosureIdentity:
-    """The identities of the pushes one thread of a closure attempt makes: ``prefix/1``, ``prefix/2``, ...
+    """The identities of the pushes one thread of a closure attempt makes: ``prefix/<signature>.<n>``.
 
-    A closure re-run after its worker failed gets the same prefix (coordinator
-    run and closure id), so its pushes repeat their identities and each PS
-    applies each of them at most once. A thread the closure starts gets a
-    :meth:`child` identity (its own sequence), so pushes of concurrent threads
-    never race for positions in one sequence.
+    A push's identity follows what it names: its ``signature`` (the digest of
+    the variables and ops it touches, :func:`jaxdist.ps_server.store.push_digest`)
+    and ``n``, its count among this thread's pushes with that signature
+    (``prefix/1``, ``prefix/2``, ... for pushes without a signature). A closure
+    re-run after its worker failed gets the same prefix (coordinator run and
+    closure id), so its ``n``-th push of the same variables and ops repeats the
+    identity of the first attempt's, and each PS applies it at most once,
+    whatever else either attempt pushed in between: a re-run that takes another
+    path (a data-dependent loop that runs fewer rounds, a branch on a value
+    read from the PS) neither collides with the first attempt's pushes nor
+    repeats them. A thread the closure starts gets a :meth:`child` identity
+    (its own counts), so pushes of concurrent threads never race for positions.
 
     An identity belongs to one thread (the one that made it, or for a child
     the one that calls :meth:`bind`): a push from another thread sharing it
@@ -94,11 +101,12 @@ class ClosureIdentity:
     scheduling, so :meth:`next_update_id` refuses it.
     """
 
-    __slots__ = ("prefix", "_seq", "_children", "_owner", "_lock", "sync_step")
+    __slots__ = ("prefix", "_counts", "_children", "_owner", "_lock", "sync_step")
 
     def __init__(self, prefix: str, owner: int | None = None) -> None:
         self.prefix = prefix
-        self._seq = 0
+        #: Pushes made so far, per signature ("": pushes without one).
+        self._counts: dict[str, int] = {}
         self._children: dict[str, int] = {}
         #: ``threading.get_ident()`` of the thread whose pushes these are (0: not bound yet).
         self._owner = threading.get_ident() if owner is None else owner
@@ -114,8 +122,10 @@ class ClosureIdentity:
         """Whether the calling thread is the one whose pushes these identities are."""
         return threading.get_ident() == self._owner
 
-    def next_update_id(self) -> str:
-        """The next identity ``prefix/<n>``.
+    def next_update_id(self, signature: str = "") -> str:
+        """The identity of this thread's next push naming ``signature``: ``prefix/<signature>.<n>``
+        for its ``n``-th such push (``prefix/<n>`` without a signature: a position among every push
+        without one).
 
         Raises:
             UnidentifiedPushError: called from another thread than the owner.
@@ -123,8 +133,8 @@ class ClosureIdentity:
         if not self.owned_by_caller():
             raise UnidentifiedPushError(_SHARED)
         with self._lock:
-            self._seq += 1
-            return f"{self.prefix}/{self._seq}"
+            n = self._counts[signature] = self._counts.get(signature, 0) + 1
+        return f"{self.prefix}/{signature}.{n}" if signature else f"{self.prefix}/{n}"
 
     def child(self, site: str) -> ClosureIdentity:
         """A new identity ``prefix/<site>.<n>`` for the ``n``-th thread (or submitted call) started
@@ -153,7 +163,7 @@ class TaskContext:
     identity: ClosureIdentity | None = None
 
     def for_closure(self, prefix: str) -> TaskContext:
-        """This context with a fresh push identity ``prefix/1, prefix/2, ...`` (owned by the calling thread)."""
+        """This context with a fresh push identity under ``prefix`` (owned by the calling thread)."""
         return replace(self, identity=ClosureIdentity(prefix))
 
     def for_child(self, site: str) -> TaskContext:
@@ -215,17 +225,21 @@ def current_ps() -> PSConnections:
     return ctx.ps
 
 
-def next_update_id(own_connections: bool = True) -> str:
+def next_update_id(own_connections: bool = True, signature: str = "") -> str:
     """The next push identity of the running closure's thread; "" for a push that carries none.
 
     The identity is the context's, if it belongs to this thread; else the one
     this thread got when the closure started it (it may have switched to a
-    copy of the closure's context since).
+    copy of the closure's context since). See :meth:`ClosureIdentity.next_update_id`.
 
     Args:
         own_connections: whether the pushed variables have connections of
             their own (the coordinator's handles); False for handles that
             push through the task's connections (a worker's).
+        signature: what the push names (:func:`jaxdist.ps_server.store.push_digest`
+            of the whole push, every PS's part): the identity counts pushes per
+            signature, so a re-run closure's pushes line up with its first
+            attempt's by what they update, not by their place among all pushes.
 
     Raises:
         UnidentifiedPushError: a push inside a closure's context from a thread
@@ -236,10 +250,10 @@ def next_update_id(own_connections: bool = True) -> str:
     ctx = _current.get()
     shared = ctx.identity if ctx is not None else None
     if shared is not None and shared.owned_by_caller():
-        return shared.next_update_id()
+        return shared.next_update_id(signature)
     own: ClosureIdentity | None = getattr(_thread_identity, "identity", None)
     if own is not None:
-        return own.next_update_id()
+        return own.next_update_id(signature)
     if shared is not None:
         raise UnidentifiedPushError(_SHARED)
     if not own_connections:

@@ -60,6 +60,41 @@ def test_threads_a_closure_starts_carry_child_identities_that_a_rerun_repeats() 
     assert {"run/7/1", "run/7/2"} <= set(first)  # the closure's own thread keeps its own sequence
 
 
+def _attempt_pushing(signatures: list[str]) -> list[str]:
+    """The ids of one attempt of closure ``run/7`` whose pushes name ``signatures`` (in that order),
+    half of them from a thread it starts; in push order."""
+    ids: list[str] = []
+
+    def push_all() -> None:
+        for sig in signatures:
+            ids.append(wctx.next_update_id(own_connections=False, signature=sig))
+
+    with wctx.use(wctx.TaskContext().for_closure("run/7")):
+        push_all()
+        t = threading.Thread(target=push_all)
+        t.start()
+        t.join()
+    return ids
+
+
+def test_identities_follow_what_a_push_names_so_a_rerun_on_another_path_lines_up() -> None:
+    """TF's fault-tolerance model: a loop pushes ``w`` while a flag is set, then ``it``. A first attempt
+    killed after three rounds and a re-run that loops once: the re-run's ``w`` push is the first
+    attempt's first (a duplicate on the PS), its ``it`` push is an identity the first attempt never
+    used (applied). Positions among all pushes would have put ``it`` on the first attempt's second ``w``."""
+    first = _attempt_pushing(["w", "w", "w"])
+    rerun = _attempt_pushing(["w", "it"])
+    assert len(set(first)) == 6 and len(set(rerun)) == 4
+    own, helper = rerun[:2], rerun[2:]
+    assert own[0] == first[0] and helper[0] == first[3]  # the same update of w: applied at most once
+    assert own[1] not in first and helper[1] not in first  # the counter's push: new
+    assert own == ["run/7/w.1", "run/7/it.1"] and helper[0].startswith("run/7/") and helper[0].endswith("/w.1")
+    # Another order of the same pushes is the same set of updates; more rounds are new updates.
+    assert sorted(_attempt_pushing(["a", "b", "a"])) == sorted(_attempt_pushing(["a", "a", "b"]))
+    more = _attempt_pushing(["w"] * 4)
+    assert set(first) < set(more) and len(set(more) - set(first)) == 2
+
+
 def test_a_thread_started_elsewhere_does_not_shift_the_helpers_identities() -> None:
     """A library that starts a thread lazily (only in some attempts) starts it from its own line."""
 
@@ -145,3 +180,20 @@ def test_pushes_outside_a_closures_threads() -> None:
     t.start()
     t.join()
     assert seen == [None]
+
+
+def test_a_push_is_signed_by_its_variables_not_by_the_shards_its_rows_reached() -> None:
+    """A row-sparse push to a partitioned variable reaches the shards its rows fall in: a re-run on
+    other rows is the same update, and a dense gradient pushed with it stays one update."""
+    import numpy as np
+
+    from jaxdist import variables
+    from jaxdist.proto.ps_wire import Op, Update
+
+    def sig(*names: str, op: Op = Op.SPARSE_APPLY_GRADIENT) -> str:
+        return variables._signature([Update(n, op, np.zeros(1, np.float32)) for n in names])
+
+    assert sig("emb/part_0") == sig("emb/part_1") == sig("emb/part_0", "emb/part_2")
+    assert sig("dense", "emb/part_0") == sig("emb/part_1", "dense")
+    assert sig("emb/part_0") != sig("emb2/part_0") and sig("emb/part_0") != sig("emb/part_0", op=Op.ASSIGN_ADD)
+    assert sig("dense") != sig("dense", "emb/part_0")

@@ -97,8 +97,8 @@ def test_update_id_applies_at_most_once() -> None:
 
 
 def test_a_repeated_update_id_naming_other_variables_or_ops_is_refused_not_dropped() -> None:
-    """A re-run closure that took another path repeats a push's identity with another variable: the PS
-    refuses it (typed) instead of dropping it as a duplicate, and changes nothing."""
+    """A push that repeats an applied identity with another variable or op (two different pushes given one
+    identity): the PS refuses it (typed) instead of dropping it as a duplicate, and changes nothing."""
     s = VariableStore()
     s.create("x", value=f32(0))
     s.create("y", value=f32(0))
