@@ -279,14 +279,8 @@ class ClosureQueue:
                 if not self._draining_now():
                     return []
                 return self._take_draining(worker, max_n)
-            tagged = self._tagged.get(worker)
-            if tagged:
-                # Resource closures go alone: later closures may need the resource.
-                batch = [tagged.popleft()]
-                self._n_tagged -= 1
-                if not tagged:
-                    del self._tagged[worker]
-                self._inflight += 1
+            batch = self._take_tagged(worker)
+            if batch:
                 return batch
             q = self._queue
             if not q:
@@ -305,6 +299,19 @@ class ClosureQueue:
                 self._room.notify(len(batch))
             return batch
 
+    def _take_tagged(self, worker: int) -> list[Closure]:
+        """Under the lock: ``worker``'s oldest tagged closure, alone (a resource closure: later
+        closures may need the resource), counted as running; [] when it has none."""
+        tagged = self._tagged.get(worker)
+        if not tagged:
+            return []
+        batch = [tagged.popleft()]
+        self._n_tagged -= 1
+        if not tagged:
+            del self._tagged[worker]
+        self._inflight += 1
+        return batch
+
     def _draining_now(self) -> bool:
         # Under the lock. Every pause in effect drains, and closures that may have run are queued.
         return self._paused == self._draining and self._requeued_ran > 0
@@ -313,13 +320,8 @@ class ClosureQueue:
         """Under the lock, during a drain: ``worker``'s tagged closure first (it rebuilds a per-worker
         resource the re-runs may need, and pushes nothing), else up to ``max_n`` queued closures that
         may have run in part (``attempt > 0``), oldest re-queue first; nothing else starts."""
-        tagged = self._tagged.get(worker)
-        if tagged:
-            batch = [tagged.popleft()]
-            self._n_tagged -= 1
-            if not tagged:
-                del self._tagged[worker]
-            self._inflight += 1
+        batch = self._take_tagged(worker)
+        if batch:
             return batch
         reruns: list[Closure] = []
         rest: collections.deque[Closure] = collections.deque()
