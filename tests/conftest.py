@@ -34,7 +34,12 @@ tempfile.tempdir = RUN_TMP
 #: minimum compile time). The pytest process itself does not use it (turned off below, once JAX is
 #: imported): JAX writes an entry in place, and a read that met another process's half-written entry
 #: would warn (an error in this process, fallback to compiling elsewhere).
-os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(RUN_TMP, "jax-compilation-cache")
+#: Under pytest-xdist (pyproject's addopts) every test process imports this file: the first one (the
+#: controller, which runs no test) names the cache, and the worker processes, started with its
+#: environment, keep that name, so that the subprocesses of both workers share one cache, inside the
+#: controller's run directory (each worker's own run directory is made inside it, through TMPDIR).
+if "PYTEST_XDIST_WORKER" not in os.environ or "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(RUN_TMP, "jax-compilation-cache")
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
