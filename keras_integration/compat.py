@@ -54,6 +54,7 @@ try:
     from keras.src.distribution.distribution_lib import Distribution
     from keras.src.trainers.data_adapters import data_adapter_utils
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+    from keras.src.saving.keras_saveable import KerasSaveable
     from keras.src.utils import rng_utils
 except ImportError as e:  # pragma: no cover - depends on the installed Keras
     raise ConfigurationError(
@@ -79,6 +80,9 @@ __all__ = [
     "inbound_node_count",
     "initial_epoch",
     "install_custom_loop_patches",
+    "install_pickle_patch",
+    "in_stateless_scope",
+    "name_scope_caller",
     "install_trainer_patches",
     "loss_and_updates",
     "markdown_table",
@@ -194,6 +198,24 @@ INTERNALS: tuple[Internal, ...] = (
             "is built eagerly (outside the trace)",
         used_by=("jaxdist.keras.custom_loop",),
         signature="(name, default=None, set_to_default=False)",
+    ),
+    Internal(
+        path="keras.src.backend.common.name_scope.name_scope",
+        kind="private",
+        use="the Keras name scope stack (global attribute 'name_scope_stack', each entry's `caller`): a variable "
+            "made in ParameterServerStrategy.scope() inside an optimizer's own name scope tells which Keras "
+            "optimizers were made there (the one a custom loop's model is trained with)",
+        used_by=("jaxdist.keras.ps_model",),
+        signature="(name, caller=None, deduplicate=True, override_parent=None)",
+    ),
+    Internal(
+        path="keras.src.saving.keras_saveable.KerasSaveable.__reduce__",
+        kind="replaced",
+        use="how Keras models, optimizers and metrics pickle (a whole saved model): one made in "
+            "ParameterServerStrategy.scope() and captured by a scheduled closure pickles instead as a reference to "
+            "its state on the parameter servers (jaxdist.keras.ps_custom_loop); every other object as Keras does",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
     ),
     Internal(
         path="keras.src.backend.common.global_state.set_global_attribute",
@@ -783,6 +805,30 @@ def install_custom_loop_patches(
         original = getattr(cls, name)
         _originals[path] = original
         setattr(cls, name, functools.wraps(original)(make(original)))
+
+
+_PICKLE_PATH = "keras.src.saving.keras_saveable.KerasSaveable.__reduce__"
+
+
+def install_pickle_patch(make: Callable[[Any], Any]) -> None:
+    """Replace ``KerasSaveable.__reduce__`` (how Keras models, layers, optimizers, metrics and losses pickle) by
+    ``make(keras_original)`` (call once)."""
+    original = KerasSaveable.__reduce__
+    _originals[_PICKLE_PATH] = original
+    KerasSaveable.__reduce__ = functools.wraps(original)(make(original))
+
+
+def name_scope_caller() -> Any:
+    """The object whose Keras name scope is innermost now (e.g. the optimizer creating its variables), or None."""
+    stack = global_state.get_global_attribute("name_scope_stack")
+    if not stack:
+        return None
+    return getattr(stack[-1], "caller", None)
+
+
+def in_stateless_scope() -> bool:
+    """Whether a Keras ``StatelessScope`` is current (jaxdist's trace scope is one)."""
+    return global_state.get_global_attribute("stateless_scope") is not None
 
 
 @contextlib.contextmanager
