@@ -81,6 +81,7 @@ __all__ = [
     "initial_epoch",
     "install_custom_loop_patches",
     "install_pickle_patch",
+    "replace_on_instance",
     "in_stateless_scope",
     "name_scope_caller",
     "install_trainer_patches",
@@ -209,6 +210,13 @@ INTERNALS: tuple[Internal, ...] = (
         signature="(name, caller=None, deduplicate=True, override_parent=None)",
     ),
     Internal(
+        path="keras.src.saving.keras_saveable.KerasSaveable",
+        kind="import",
+        use="the base of every Keras object that pickles (models, layers, optimizers, metrics, losses): its "
+            "__reduce__ is replaced (below)",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+    ),
+    Internal(
         path="keras.src.saving.keras_saveable.KerasSaveable.__reduce__",
         kind="replaced",
         use="how Keras models, optimizers and metrics pickle (a whole saved model): one made in "
@@ -216,6 +224,37 @@ INTERNALS: tuple[Internal, ...] = (
             "its state on the parameter servers (jaxdist.keras.ps_custom_loop); every other object as Keras does",
         used_by=("jaxdist.keras.ps_custom_loop",),
         signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.result",
+        kind="replaced",
+        use="on one coordinator metric trained in ParameterServerStrategy closures (that instance only): reads the "
+            "accumulators on the parameter servers into its variables first, then Keras's result",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.reset_state",
+        kind="replaced",
+        use="on that coordinator metric only: Keras's reset, then the parameter servers' accumulators reset too",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.update_state",
+        kind="replaced",
+        use="on a worker's copy of such a metric only: traced inside strategy.run as Keras's; called eagerly in a "
+            "closure's body, its increments are pushed to the accumulators",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self, *args, **kwargs)",
+    ),
+    Internal(
+        path="keras.optimizers.Optimizer.stateless_apply",
+        kind="replaced",
+        use="on a worker's copy of an optimizer trained on the parameter servers only: raises ConfigurationError "
+            "naming apply_gradients (its state lives on the PS; Keras's own error would ask to build it)",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self, optimizer_variables, grads, trainable_variables)",
     ),
     Internal(
         path="keras.src.backend.common.global_state.set_global_attribute",
@@ -816,6 +855,26 @@ def install_pickle_patch(make: Callable[[Any], Any]) -> None:
     original = KerasSaveable.__reduce__
     _originals[_PICKLE_PATH] = original
     KerasSaveable.__reduce__ = functools.wraps(original)(make(original))
+
+
+#: The methods :func:`replace_on_instance` may replace on one Keras object: (class, attribute).
+INSTANCE_TARGETS = (
+    (keras.metrics.Metric, "result"),
+    (keras.metrics.Metric, "reset_state"),
+    (keras.metrics.Metric, "update_state"),
+    (keras.optimizers.Optimizer, "stateless_apply"),
+)
+
+
+def replace_on_instance(obj: Any, name: str, fn: Callable[..., Any]) -> None:
+    """Make ``obj.<name>`` call ``fn`` for this one object (its class, and every other instance, keep Keras's).
+
+    Raises:
+        ValueError: ``name`` of ``obj``'s class is not one of :data:`INSTANCE_TARGETS`.
+    """
+    if not any(isinstance(obj, cls) and name == attr for cls, attr in INSTANCE_TARGETS):
+        raise ValueError(f"{type(obj).__name__}.{name} is not a registered instance replacement")
+    object.__setattr__(obj, name, fn)  # bypasses Keras's attribute tracking: a method, not state
 
 
 def name_scope_caller() -> Any:

@@ -71,7 +71,13 @@ import keras
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras import compat
 from jaxdist.keras.custom_loop import KerasVariableView
-from jaxdist.keras.ps_model import ps_model, ps_optimizers, ps_strategy_of, ps_strategy_of_variable
+from jaxdist.keras.ps_model import (
+    ps_model,
+    ps_model_with_optimizer,
+    ps_optimizers,
+    ps_strategy_of,
+    ps_strategy_of_variable,
+)
 from jaxdist.keras.ps_optimizers import clipping_of, to_optax
 from jaxdist.proto.ps_wire import Op
 from jaxdist.ps_methods import local_strategy, register_run_hook
@@ -103,7 +109,8 @@ class _OptimizerRef:
         self.uid = f"opt-{uuid.uuid4().hex[:12]}"
         self.config = keras.optimizers.serialize(optimizer)
         self.clipping = clipping_of(optimizer)
-        self.iterations = strategy.create_variable(
+        existing = ps_model_with_optimizer(optimizer)  # a model fitted with it: one step counter for both
+        self.iterations = existing.iterations if existing is not None else strategy.create_variable(
             np.asarray(int(optimizer.iterations.numpy()), np.int64), name=f"keras/{self.uid}/iterations", trainable=False)
 
     def build(self) -> Any:
@@ -115,7 +122,7 @@ class _OptimizerRef:
         def stateless_apply(*args: Any, **kwargs: Any) -> Any:
             raise ConfigurationError(_NO_STATELESS_APPLY.format(name=optimizer.name))
 
-        object.__setattr__(optimizer, "stateless_apply", stateless_apply)
+        compat.replace_on_instance(optimizer, "stateless_apply", stateless_apply)
         return optimizer
 
 
@@ -172,7 +179,7 @@ class _MetricRef:
         for v, h, init in zip(metric.variables, self.accumulators, self.init):
             v.assign(init)
             _bindings[id(v)] = _Binding("metric", v, h, None, init)
-        object.__setattr__(metric, "update_state", _eager_metric_update(metric, metric.update_state))
+        compat.replace_on_instance(metric, "update_state", _eager_metric_update(metric, metric.update_state))
         return metric
 
 
@@ -246,8 +253,8 @@ def _follow_ps(metric: Any, ref: _MetricRef) -> None:
             updates.extend(split_update(h, Op.ASSIGN, np.asarray(v.value)))
         push_updates(updates)
 
-    object.__setattr__(metric, "result", ps_result)
-    object.__setattr__(metric, "reset_state", ps_reset_state)
+    compat.replace_on_instance(metric, "result", ps_result)
+    compat.replace_on_instance(metric, "reset_state", ps_reset_state)
 
 
 def _reference_of(obj: Any) -> Any:
@@ -271,13 +278,13 @@ def _reference_of(obj: Any) -> Any:
 def pickle_patch(original: Callable[..., Any]) -> Callable[..., Any]:
     """Keras's ``KerasSaveable.__reduce__``, except for objects of a ParameterServerStrategy scope."""
 
-    def __reduce__(self: Any) -> Any:
+    def reduce(self: Any) -> Any:
         ref = _reference_of(self)
         if ref is None:
             return original(self)
         return (_worker_copy, (ref,))
 
-    return __reduce__
+    return reduce
 
 
 # ---------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_optimizers", "ps_strategy_of", "ps_variables",
+__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
            "sync_from_ps"]
 
 _lock = threading.Lock()
@@ -233,6 +233,12 @@ def ps_model(model: Any, optimizer: Any = None, iterations: Any = None) -> PSMod
         return _models.setdefault(model, made)
 
 
+def ps_model_with_optimizer(optimizer: Any) -> PSModel | None:
+    """The :class:`PSModel` (made already) whose PS optimizer is ``optimizer``'s rule, or None."""
+    with _lock:
+        return next((pm for pm in _models.values() if pm.optimizer is optimizer), None)
+
+
 def ps_variables(model: Any) -> list[Any]:
     """The PS variables of ``model``'s trainable variables, in ``model.trainable_variables`` order
     (a :class:`jaxdist.ShardedVariable` where the partitioner split one).
@@ -252,8 +258,14 @@ def ps_variables(model: Any) -> list[Any]:
 def sync_from_ps(model: Any) -> bool:
     """Copy the PS's current values into ``model``'s Keras variables when its state lives on the PS.
 
+    Its weights, and the PS step counter into its optimizer's ``iterations``. ``fit`` does it after every
+    epoch; a custom loop in ``ClusterCoordinator`` closures (:mod:`jaxdist.keras.ps_custom_loop`) calls it
+    when the coordinator wants the trained weights (``get_weights``, ``save_weights``, ``predict`` outside
+    ``fit``). Call it once the steps that count are done (``coordinator.join()``).
+
     Returns True when it did; False when ``model`` has no PS state (not built in a ParameterServerStrategy's
-    scope, or never fitted or evaluated there: its Keras variables are then the only copy).
+    scope, or never fitted, evaluated or used by a scheduled closure there: its Keras variables are then the
+    only copy).
     """
     with _lock:
         got = _models.get(model)

@@ -51,8 +51,11 @@ def _data() -> tuple[list[Any], list[Any]]:
     return train, test
 
 
-def _parts(strategy: Any) -> dict[str, Any]:
-    """The guide's model, loss, optimizer and metrics, made in ``strategy.scope()`` (None: no scope)."""
+def _parts(strategy: Any, weights: list[Any] | None = None) -> dict[str, Any]:
+    """The guide's model, loss, optimizer and metrics, made in ``strategy.scope()`` (None: no scope); the model's
+    initial ``weights`` set when given, so the comparison does not rest on Keras's seeding alone (Keras seeds
+    each initializer from Python's global ``random``; a coordinator's heartbeat thread drew from it too, which
+    made seeded initial weights depend on timing: tests/unit/test_failure_handler.py guards that)."""
     import contextlib
 
     import keras
@@ -67,6 +70,8 @@ def _parts(strategy: Any) -> dict[str, Any]:
             keras.layers.Dense(16, activation="relu"),
             keras.layers.Dense(10),
         ])
+        if weights is not None:
+            model.set_weights(weights)
         return {
             "model": model,
             "loss_object": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
@@ -88,6 +93,7 @@ def _reference() -> dict[str, Any]:
 
     p = _parts(None)
     model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
+    initial = [np.asarray(w) for w in model.get_weights()]
     optimizer.build(model.trainable_variables)
 
     def loss_fn(trainable: Any, non_trainable: Any, x: Any, y: Any) -> Any:
@@ -122,10 +128,11 @@ def _reference() -> dict[str, Any]:
         for batch in test:
             mv = test_step(trainable, non_trainable, mv, batch)
         epochs.append({k: float(p[k].stateless_result(mv[k])) for k in METRICS})
-    return {"weights": [np.asarray(w) for w in trainable], "metrics": epochs, "iterations": EPOCHS * len(train)}
+    return {"weights": [np.asarray(w) for w in trainable], "metrics": epochs, "iterations": EPOCHS * len(train),
+            "initial": initial}
 
 
-def _guide_in_closures(strategy: Any, coordinator: Any) -> dict[str, Any]:
+def _guide_in_closures(strategy: Any, coordinator: Any, initial: list[Any]) -> dict[str, Any]:
     """The guide's loop: each step a closure, scheduled one after another on the cluster's worker."""
     import jax
     import numpy as np
@@ -133,7 +140,7 @@ def _guide_in_closures(strategy: Any, coordinator: Any) -> dict[str, Any]:
     import jaxdist
     import jaxdist.keras
 
-    p = _parts(strategy)
+    p = _parts(strategy, initial)
     model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
     train_loss, train_accuracy, test_accuracy = p["train_loss"], p["train_accuracy"], p["test_accuracy"]
 
@@ -209,7 +216,7 @@ def guide_in_ps_closures_matches_one_device_keras() -> None:
     with _cluster() as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         coordinator = jaxdist.ClusterCoordinator(strategy)
-        got = _guide_in_closures(strategy, coordinator)
+        got = _guide_in_closures(strategy, coordinator, ref["initial"])
         # The weights live on the PS (two tasks: the model's variables are spread over both).
         assert len({v.ps_index for v in jaxdist.keras.ps_variables(got["model"])}) == 2
     _assert_same(got, ref, "guide in ParameterServerStrategy closures")
