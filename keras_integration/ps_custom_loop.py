@@ -30,16 +30,17 @@ How it works (TF's semantics: the model's state lives on the parameter servers):
   counter, and one accumulator per metric variable. The optimizer is ``model.optimizer`` when the model
   is compiled, else the one Keras optimizer made in the scope (several: compile the model with the one
   that trains it, ``model.compile(optimizer=...)``).
-- **On the worker** each reference becomes the worker's copy (rebuilt from the config once per worker).
-  Inside ``strategy.run`` (the worker's devices, :mod:`jaxdist.ps_methods`) every read of the model's
-  variables reads the PS's current values, pulled once per ``run`` (one call per PS task);
+- **On the worker** each reference becomes the process's copy (rebuilt from the config once, shared by
+  in-process workers). Inside ``strategy.run`` (the worker's devices, :mod:`jaxdist.ps_methods`) every
+  read of the model's variables reads the PS's current values, pulled once per ``run`` (one call per PS
+  task) into that run's own session (a run never reads or writes the copy's variables);
   ``optimizer.apply_gradients`` sums the replicas' gradients (TF's contract), applies Keras's clipping
   and, when ``run`` returns, pushes them with ``+1`` on the step counter; metric updates are added up
   across replicas and their increments pushed to the accumulators. All of a ``run``'s pushes go in one
   atomic push per PS task carrying the closure's identity: a closure re-run after a worker failure
   applies them once. Outside ``run`` (the closure's own body): ``metric.update_state`` and
-  ``optimizer.apply_gradients`` push at once (same identity rule); the model's variables hold the values
-  of its last pull.
+  ``optimizer.apply_gradients`` push at once (same identity rule); the copy's variables hold the values
+  of the process's latest pull (the config's initial values before the first ``run``).
 - **On the coordinator** ``metric.result()`` reads the accumulators and ``metric.reset_state()`` resets
   them; :func:`jaxdist.keras.sync_from_ps` copies the PS's weights (and the step counter into
   ``optimizer.iterations``) into the coordinator's model, as ``fit`` does after each epoch.
@@ -143,13 +144,10 @@ class _ModelRef:
                 "the Keras model rebuilt on the worker from its config is not built, or has other variables than the "
                 "coordinator's: build it with keras.Input shapes, and make its layers serializable (get_config) and "
                 "registered (keras.saving.register_keras_serializable) in a module the worker imports")
-        group = _PullGroup(list(model.trainable_variables) + list(model.non_trainable_variables),
-                           self.trainable + self.non_trainable)
-        for v, h in zip(model.trainable_variables, self.trainable):
-            _bindings[id(v)] = _Binding("weight", v, h, group)
-        for v, h in zip(model.non_trainable_variables, self.non_trainable):
-            _bindings[id(v)] = _Binding("state", v, h, group)
-        group.pull()  # outside strategy.run the copy holds the values of its last pull
+        variables = list(model.trainable_variables) + list(model.non_trainable_variables)
+        group = _PullGroup(variables, self.trainable + self.non_trainable)
+        for i, (v, h) in enumerate(zip(variables, group.handles)):
+            _bindings[id(v)] = _Binding("weight" if i < len(self.trainable) else "state", v, h, group, index=i)
         return model
 
 
@@ -292,23 +290,15 @@ def pickle_patch(original: Callable[..., Any]) -> Callable[..., Any]:
 # ---------------------------------------------------------------------------------------
 
 _copies_lock = threading.Lock()
-#: (reference uid, worker index) -> the worker's copy.
-_copies: dict[tuple[str, int], Any] = {}
-
-
-def _worker_index() -> int:
-    from jaxdist.worker.context import current_worker_index
-
-    try:
-        return int(current_worker_index())
-    except RuntimeError:  # unpickled outside a worker's closure
-        return -1
+#: reference uid -> this process's copy.
+_copies: dict[str, Any] = {}
 
 
 def _worker_copy(ref: Any) -> Any:
-    """The worker's copy of the object ``ref`` stands for (built once per worker: in-process clusters run several
-    workers in one process)."""
-    key = (ref.uid, _worker_index())
+    """This process's copy of the object ``ref`` stands for (built once, when a closure's function is first
+    unpickled: outside any closure's context, so it reads nothing from the PS). Several in-process workers
+    share it: a run never reads or writes the copy's variables, only its own session's values."""
+    key = ref.uid
     with _copies_lock:
         got = _copies.get(key)
     if got is not None:
@@ -325,27 +315,31 @@ class _PullGroup:
         self.variables = variables
         self.handles = handles
 
-    def pull(self) -> None:
-        values = pull(self.handles)
+    def pull(self) -> list[np.ndarray]:
+        """The PS's values now (one call per PS task); the copy's variables get them too, for eager use of the
+        model in a closure's body (the latest pull in this process)."""
+        values = [np.asarray(v) for v in pull(self.handles)]
         # Called while strategy.run traces (the first read of a variable): the copies are assigned eagerly, outside
         # the trace's Keras scope and jaxdist frame.
-        with ctx_lib.outside_frames(), compat.outside_stateless_scope(), jax.ensure_compile_time_eval():
+        with _copies_lock, ctx_lib.outside_frames(), compat.outside_stateless_scope(), jax.ensure_compile_time_eval():
             for v, value in zip(self.variables, values):
                 v.assign(value)
+        return values
 
 
 class _Binding:
     """What a worker copy's Keras variable stands for: ``kind`` ``"weight"`` (trainable), ``"state"``
     (non-trainable model variable) or ``"metric"`` (an accumulator's part), its PS variable ``handle``."""
 
-    __slots__ = ("kind", "keras_variable", "handle", "group", "init", "slot")
+    __slots__ = ("kind", "keras_variable", "handle", "group", "index", "init", "slot")
 
     def __init__(self, kind: str, keras_variable: Any, handle: Any, group: _PullGroup | None,
-                 init: np.ndarray | None = None) -> None:
+                 init: np.ndarray | None = None, index: int = 0) -> None:
         self.kind = kind
         self.keras_variable = keras_variable
         self.handle = handle
         self.group = group
+        self.index = index  # in ``group``
         self.init = init
         self.slot: _Slot | None = None
 
@@ -372,16 +366,22 @@ class _Session:
     """What one ``ParameterServerStrategy.run`` on a worker pulled, and the pushes it owes."""
 
     def __init__(self) -> None:
-        self.pulled: set[int] = set()
+        self.pulled: dict[int, list[np.ndarray]] = {}
         self.grads: dict[_Binding, Any] = {}
         self.iterations: dict[int, tuple[_OptimizerRef, Any]] = {}
         self.metrics: dict[_Binding, Any] = {}
         self.states: dict[_Binding, Any] = {}
 
-    def pull(self, group: _PullGroup) -> None:
-        if id(group) not in self.pulled:
-            group.pull()
-            self.pulled.add(id(group))
+    def value(self, b: _Binding) -> np.ndarray:
+        """What ``b``'s variable reads in this run: a model variable's PS value (its model pulled once per run),
+        a metric part's reset value (the run's increment is what it pushes)."""
+        if b.group is None:
+            assert b.init is not None
+            return b.init
+        values = self.pulled.get(id(b.group))
+        if values is None:
+            values = self.pulled[id(b.group)] = b.group.pull()
+        return values[b.index]
 
     def finish(self) -> None:
         updates: list[Any] = []
@@ -395,13 +395,8 @@ class _Session:
             updates.extend(split_update(b.handle, Op.ASSIGN_ADD, np.asarray(value) - b.init))
         for b, value in self.states.items():
             updates.extend(split_update(b.handle, Op.ASSIGN, np.asarray(value), broadcast=False))
-        self.discard()
         if updates:
             push_updates(updates)
-
-    def discard(self) -> None:
-        for b in self.metrics:
-            b.keras_variable.assign(b.init)  # the copy starts every run at the reset values
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("jaxdist_keras_ps_run", default=None)
@@ -417,12 +412,9 @@ def _run_scope() -> Iterator[None]:
     token = _SESSION.set(session)
     try:
         yield
-    except BaseException:
-        session.discard()
-        raise
     finally:
         _SESSION.reset(token)
-    session.finish()
+    session.finish()  # not reached when the run raised: it owes nothing
 
 
 def _session(what: str) -> _Session:
@@ -452,16 +444,15 @@ class PSBoundView(KerasVariableView):
 
     @property
     def storage(self) -> Any:
-        if self.binding.group is not None:
-            _session("a Keras model").pull(self.binding.group)
-        return self.distribute_strategy.engine.store_variable(compat.stored_value(self.keras_variable))
+        kind = self.binding.kind
+        value = _session("a Keras metric" if kind == "metric" else "a Keras model").value(self.binding)
+        return self.distribute_strategy.engine.store_variable(value)
 
     @storage.setter
     def storage(self, value: Any) -> None:
         kind = self.binding.kind
         if kind == "weight":
             raise ConfigurationError(_WEIGHT_ASSIGNED.format(path=self.keras_variable.path))
-        self.keras_variable.assign(value)
         s = _session("a Keras metric" if kind == "metric" else "a Keras model")
         (s.metrics if kind == "metric" else s.states)[self.binding] = value
 

@@ -222,6 +222,65 @@ def guide_in_ps_closures_matches_one_device_keras() -> None:
     _assert_same(got, ref, "guide in ParameterServerStrategy closures")
 
 
+class EndlessBatches:
+    """A per-worker dataset function (module-level: it pickles to the workers): the training batches, repeated."""
+
+    def __call__(self, input_context: Any) -> Any:
+        train, _ = _data()
+        while True:
+            yield from train
+
+
+@check
+def tf_ps_tutorial_pattern_on_two_workers_counts_every_step_once() -> None:
+    """TF's PS tutorial's shape: a per-worker dataset, ``next(iterator)`` in the scheduled function, closures
+    spread over 2 workers at once. Every step is applied once (the PS step counter), and the metric counts
+    every example once (its accumulated count)."""
+    import jax
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.testing import InProcessCluster
+
+    closures = 12
+    with InProcessCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        p = _parts(strategy)
+        model, loss_object, optimizer, accuracy = p["model"], p["loss_object"], p["optimizer"], p["train_accuracy"]
+
+        def replica_fn(batch: Any) -> Any:
+            images, labels = batch
+
+            def loss_fn(trainable: Any) -> Any:
+                predictions, _ = model.stateless_call(trainable, [], images, training=True)
+                loss = jaxdist.compute_average_loss(loss_object(labels, predictions), global_batch_size=GLOBAL_BATCH)
+                return loss, predictions
+
+            (loss, predictions), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                [v.value for v in model.trainable_variables])
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(labels, predictions)
+            return loss
+
+        def step_fn(iterator: Any) -> Any:
+            return strategy.reduce("SUM", strategy.run(replica_fn, args=(next(iterator),)), axis=None)
+
+        iterator = iter(coordinator.create_per_worker_dataset(EndlessBatches()))
+        losses = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(closures)]
+        coordinator.join()
+        assert all(np.isfinite(float(rv.fetch())) for rv in losses)
+        assert 0.0 <= float(accuracy.result()) <= 1.0
+        total, count = (float(np.asarray(v.value)) for v in accuracy.variables)
+        assert count == closures * GLOBAL_BATCH, (total, count)
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == closures
+        accuracy.reset_state()
+        assert float(accuracy.result()) == 0.0
+        assert float(np.asarray(accuracy.variables[1].value)) == 0.0
+
+
 @check
 def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
     """stateless_apply of a PS-trained optimizer, a weight assigned in the step, two optimizers in the scope:
