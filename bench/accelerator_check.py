@@ -16,6 +16,10 @@ It prints one JSON line per check and exits 1 if any check failed, 0 otherwise:
 - ``mlp``: the MLP benchmark of ``bench/bench_ps.py`` (784-1024-1024-10, batch 256, SGD on the PS) with the
   worker on the accelerator: steps/s, and the same MLP in one process with plain JAX on the device.
 
+``--on-cpu`` runs every check on the CPU devices instead, to test the script itself (its figures are not
+accelerator figures): ``XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu python
+bench/accelerator_check.py --on-cpu``.
+
 Comparisons use float32 matmuls at full precision (``jax_default_matmul_precision="highest"``: GPUs
 otherwise use TF32); ``max_abs_diff`` is the largest difference of any weight or metric, ``ok`` means
 below ``--tol``.
@@ -230,7 +234,7 @@ def check_local_cluster(platform: str, mlp_steps: int) -> bool:
                 coordinator.schedule(mlp_step)
             coordinator.join()
             rate = mlp_steps / (time.perf_counter() - t0)
-            emit(check="mlp", where="LocalCluster worker on the accelerator, 1 PS", batch=256,
+            emit(check="mlp", where=f"LocalCluster: 1 PS, 1 worker computing on {platform}", batch=256,
                  steps_per_s=round(rate, 2), examples_per_s=round(rate * 256), plain_jax_steps_per_s=_plain_mlp(mlp_steps),
                  ok=True)
         finally:
@@ -269,8 +273,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tol", type=float, default=1e-4, help="largest weight/metric difference accepted")
     ap.add_argument("--mlp-steps", type=int, default=200)
+    ap.add_argument("--on-cpu", action="store_true",
+                    help="run every check on the CPU devices instead (tests the script itself; not accelerator figures)")
     args = ap.parse_args(argv)
     found = accelerators()
+    if args.on_cpu:
+        import jax
+
+        found = jax.devices("cpu")
     if not found:
         import jax
 
@@ -279,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     platform = found[0].platform
     emit(check="accelerator", found=True, platform=platform, devices=len(found),
-         kinds=sorted({d.device_kind for d in found}), host=os.uname().nodename)
+         kinds=sorted({d.device_kind for d in found}), host=os.uname().nodename, on_cpu=bool(args.on_cpu))
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")

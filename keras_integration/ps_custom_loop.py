@@ -80,6 +80,7 @@ from jaxdist.keras.ps_model import (
     ps_strategy_of_variable,
 )
 from jaxdist.keras.ps_optimizers import clipping_of, to_optax
+from jaxdist.proto import pickling
 from jaxdist.proto.ps_wire import Op
 from jaxdist.ps_methods import local_strategy, register_run_hook
 from jaxdist.sync import context as ctx_lib
@@ -274,9 +275,12 @@ def _reference_of(obj: Any) -> Any:
 
 
 def pickle_patch(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Keras's ``KerasSaveable.__reduce__``, except for objects of a ParameterServerStrategy scope."""
+    """Keras's ``KerasSaveable.__reduce__``, except for objects of a ParameterServerStrategy scope pickled by
+    jaxdist to travel to a worker (:func:`jaxdist.proto.pickling.shipping`)."""
 
     def reduce(self: Any) -> Any:
+        if not pickling.shipping():  # the user's own pickle.dumps / copy.deepcopy: Keras's way
+            return original(self)
         ref = _reference_of(self)
         if ref is None:
             return original(self)

@@ -276,6 +276,13 @@ def tf_ps_tutorial_pattern_on_two_workers_counts_every_step_once() -> None:
         assert count == closures * GLOBAL_BATCH, (total, count)
         assert jaxdist.keras.sync_from_ps(model)
         assert int(np.asarray(optimizer.iterations.value)) == closures
+        # The user's own pickling (pickle, copy.deepcopy) is Keras's: a standalone copy, not bound to the PS.
+        import pickle
+
+        from jaxdist.keras.ps_custom_loop import binding
+
+        copied = pickle.loads(pickle.dumps(accuracy))
+        assert type(copied) is type(accuracy) and all(binding(v) is None for v in copied.variables)
         accuracy.reset_state()
         assert float(accuracy.result()) == 0.0
         assert float(np.asarray(accuracy.variables[1].value)) == 0.0
