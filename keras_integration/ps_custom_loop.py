@@ -131,7 +131,7 @@ class _OptimizerRef:
 class _ModelRef:
     """A Keras model whose variables live on the PS: its config and its PS variables."""
 
-    def __init__(self, model: Any, optimizer_ref: _OptimizerRef, pm: Any) -> None:
+    def __init__(self, model: Any, pm: Any) -> None:
         self.uid = f"model-{pm.uid}"
         self.model_json = model.to_json()
         self.trainable = list(pm.trainable)
@@ -223,7 +223,7 @@ def _model_ref(model: Any, strategy: Any) -> _ModelRef:
         raise ConfigurationError(f"Keras model {model.name!r} has its variables on the parameter servers with "
                                  f"optimizer {pm.optimizer.name!r} already (an earlier fit): train it with that one")
     with _lock:
-        return _model_refs.setdefault(model, _ModelRef(model, oref, pm))
+        return _model_refs.setdefault(model, _ModelRef(model, pm))
 
 
 def _metric_ref(metric: Any, strategy: Any) -> _MetricRef:
