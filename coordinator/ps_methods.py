@@ -35,10 +35,38 @@ from typing import Any
 
 from jaxdist.base.input_context import InputContext
 
-__all__ = ["PSStrategyMethods", "PSWorkerStrategy"]
+__all__ = ["PSStrategyMethods", "PSWorkerStrategy", "RunHook", "local_strategy", "register_run_hook", "run_hooks"]
 
 _LOCAL: dict[str, Any] = {}
 _LOCAL_LOCK = threading.Lock()
+
+#: ``hook()`` returns the context manager entered around each ``ParameterServerStrategy.run`` (the worker's
+#: local step); it sees the step's exception, if any, when exited.
+RunHook = Callable[[], contextlib.AbstractContextManager[Any]]
+_RUN_HOOKS: dict[str, RunHook] = {}
+
+
+def register_run_hook(name: str, hook: RunHook) -> None:
+    """Enter ``hook()`` around every ``ParameterServerStrategy.run`` from now on (replaces one of that name).
+
+    How code built on the strategy (the Keras integration: a Keras model's pulls and pushes in a closure,
+    :mod:`jaxdist.keras.ps_custom_loop`) acts before and after each local step without this layer importing it.
+    """
+    if not callable(hook):
+        raise TypeError(f"run hook {name!r} must be callable, got {type(hook).__name__}")
+    with _LOCAL_LOCK:
+        _RUN_HOOKS[name] = hook
+
+
+def run_hooks() -> dict[str, RunHook]:
+    """The registered run hooks by name, in the order they are entered (a copy)."""
+    with _LOCAL_LOCK:
+        return dict(_RUN_HOOKS)
+
+
+def local_strategy() -> Any:
+    """This process's MirroredStrategy over its local devices: what ``ParameterServerStrategy.run`` runs on."""
+    return _local_strategy()
 
 
 def _local_strategy() -> Any:
@@ -114,7 +142,13 @@ class _Delegating:
         pushed to the parameter servers when the step is done (see :mod:`jaxdist.metrics`)."""
         from jaxdist.metrics import run_with_ps_metrics  # the public layer above; imported when first run
 
-        return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
+        hooks = run_hooks()
+        if not hooks:
+            return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
+        with contextlib.ExitStack() as stack:
+            for hook in hooks.values():
+                stack.enter_context(hook())
+            return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         return self._local().reduce(reduce_op, value, axis)

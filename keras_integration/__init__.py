@@ -98,7 +98,8 @@ from jaxdist.keras.distribution import (  # noqa: E402
     install_data_placement,
 )
 from jaxdist.keras.export import EXPORT_FORMATS, ExportDependencyError, export_model  # noqa: E402
-from jaxdist.keras.ps_model import PSDistribution, lazy_embeddings, ps_variables  # noqa: E402
+from jaxdist.keras.ps_custom_loop import install_ps_custom_loop_support  # noqa: E402
+from jaxdist.keras.ps_model import PSDistribution, lazy_embeddings, ps_variables, sync_from_ps  # noqa: E402
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
@@ -109,6 +110,8 @@ from jaxdist.sync.hooks import register_scope_hook  # noqa: E402
 install_data_placement()
 # Keras models, optimizers, metrics and losses inside strategy.run / jaxdist.function (TF's custom training loop).
 install_custom_loop_support()
+# ... and inside ClusterCoordinator closures under ParameterServerStrategy (the state on the parameter servers).
+install_ps_custom_loop_support()
 # Every strategy.scope() enters the strategy's Keras distribution from now on (the sync core's scope hook;
 # this replaces the stand-in that `import jaxdist` registered, jaxdist.keras_bridge.scope_hook).
 register_scope_hook(SCOPE_HOOK, keras_scope)
@@ -132,4 +135,5 @@ __all__ = [
     "lazy_embeddings",
     "ps_variables",
     "require_jax_backend",
+    "sync_from_ps",
 ]

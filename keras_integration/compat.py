@@ -54,6 +54,7 @@ try:
     from keras.src.distribution.distribution_lib import Distribution
     from keras.src.trainers.data_adapters import data_adapter_utils
     from keras.src.trainers.data_adapters.data_adapter import DataAdapter
+    from keras.src.saving.keras_saveable import KerasSaveable
     from keras.src.utils import rng_utils
 except ImportError as e:  # pragma: no cover - depends on the installed Keras
     raise ConfigurationError(
@@ -79,6 +80,10 @@ __all__ = [
     "inbound_node_count",
     "initial_epoch",
     "install_custom_loop_patches",
+    "install_pickle_patch",
+    "replace_on_instance",
+    "in_stateless_scope",
+    "name_scope_caller",
     "install_trainer_patches",
     "loss_and_updates",
     "markdown_table",
@@ -194,6 +199,62 @@ INTERNALS: tuple[Internal, ...] = (
             "is built eagerly (outside the trace)",
         used_by=("jaxdist.keras.custom_loop",),
         signature="(name, default=None, set_to_default=False)",
+    ),
+    Internal(
+        path="keras.src.backend.common.name_scope.name_scope",
+        kind="private",
+        use="the Keras name scope stack (global attribute 'name_scope_stack', each entry's `caller`): a variable "
+            "made in ParameterServerStrategy.scope() inside an optimizer's own name scope tells which Keras "
+            "optimizers were made there (the one a custom loop's model is trained with)",
+        used_by=("jaxdist.keras.ps_model",),
+        signature="(name, caller=None, deduplicate=True, override_parent=None)",
+    ),
+    Internal(
+        path="keras.src.saving.keras_saveable.KerasSaveable",
+        kind="import",
+        use="the base of every Keras object that pickles (models, layers, optimizers, metrics, losses): its "
+            "__reduce__ is replaced (below)",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+    ),
+    Internal(
+        path="keras.src.saving.keras_saveable.KerasSaveable.__reduce__",
+        kind="replaced",
+        use="how Keras models, optimizers and metrics pickle (a whole saved model): one made in "
+            "ParameterServerStrategy.scope() and captured by a scheduled closure pickles instead as a reference to "
+            "its state on the parameter servers (jaxdist.keras.ps_custom_loop); every other object as Keras does",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.result",
+        kind="replaced",
+        use="on one coordinator metric trained in ParameterServerStrategy closures (that instance only): reads the "
+            "accumulators on the parameter servers into its variables first, then Keras's result",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.reset_state",
+        kind="replaced",
+        use="on that coordinator metric only: Keras's reset, then the parameter servers' accumulators reset too",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self)",
+    ),
+    Internal(
+        path="keras.metrics.Metric.update_state",
+        kind="replaced",
+        use="on a worker's copy of such a metric only: traced inside strategy.run as Keras's; called eagerly in a "
+            "closure's body, its increments are pushed to the accumulators",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self, *args, **kwargs)",
+    ),
+    Internal(
+        path="keras.optimizers.Optimizer.stateless_apply",
+        kind="replaced",
+        use="on a worker's copy of an optimizer trained on the parameter servers only: raises ConfigurationError "
+            "naming apply_gradients (its state lives on the PS; Keras's own error would ask to build it)",
+        used_by=("jaxdist.keras.ps_custom_loop",),
+        signature="(self, optimizer_variables, grads, trainable_variables)",
     ),
     Internal(
         path="keras.src.backend.common.global_state.set_global_attribute",
@@ -783,6 +844,50 @@ def install_custom_loop_patches(
         original = getattr(cls, name)
         _originals[path] = original
         setattr(cls, name, functools.wraps(original)(make(original)))
+
+
+_PICKLE_PATH = "keras.src.saving.keras_saveable.KerasSaveable.__reduce__"
+
+
+def install_pickle_patch(make: Callable[[Any], Any]) -> None:
+    """Replace ``KerasSaveable.__reduce__`` (how Keras models, layers, optimizers, metrics and losses pickle) by
+    ``make(keras_original)`` (call once)."""
+    original = KerasSaveable.__reduce__
+    _originals[_PICKLE_PATH] = original
+    KerasSaveable.__reduce__ = functools.wraps(original)(make(original))
+
+
+#: The methods :func:`replace_on_instance` may replace on one Keras object: (class, attribute).
+INSTANCE_TARGETS = (
+    (keras.metrics.Metric, "result"),
+    (keras.metrics.Metric, "reset_state"),
+    (keras.metrics.Metric, "update_state"),
+    (keras.optimizers.Optimizer, "stateless_apply"),
+)
+
+
+def replace_on_instance(obj: Any, name: str, fn: Callable[..., Any]) -> None:
+    """Make ``obj.<name>`` call ``fn`` for this one object (its class, and every other instance, keep Keras's).
+
+    Raises:
+        ValueError: ``name`` of ``obj``'s class is not one of :data:`INSTANCE_TARGETS`.
+    """
+    if not any(isinstance(obj, cls) and name == attr for cls, attr in INSTANCE_TARGETS):
+        raise ValueError(f"{type(obj).__name__}.{name} is not a registered instance replacement")
+    object.__setattr__(obj, name, fn)  # bypasses Keras's attribute tracking: a method, not state
+
+
+def name_scope_caller() -> Any:
+    """The object whose Keras name scope is innermost now (e.g. the optimizer creating its variables), or None."""
+    stack = global_state.get_global_attribute("name_scope_stack")
+    if not stack:
+        return None
+    return getattr(stack[-1], "caller", None)
+
+
+def in_stateless_scope() -> bool:
+    """Whether a Keras ``StatelessScope`` is current (jaxdist's trace scope is one)."""
+    return global_state.get_global_attribute("stateless_scope") is not None
 
 
 @contextlib.contextmanager

@@ -152,10 +152,17 @@ def view_of(variable: Any) -> KerasVariableView:
     """The :class:`KerasVariableView` of a Keras variable (one per variable)."""
     key = id(variable)
     with _views_lock:
-        view = _views.get(key)
-        if view is not None and view.keras_variable is variable:
-            return view
-    view = KerasVariableView(_strategy_of(variable), variable)
+        cached = _views.get(key)
+        if cached is not None and cached.keras_variable is variable:
+            return cached
+    from jaxdist.keras import ps_custom_loop
+
+    bound = ps_custom_loop.binding(variable)
+    view: KerasVariableView
+    if bound is not None:  # a worker's copy of a model, metric trained under ParameterServerStrategy
+        view = ps_custom_loop.PSBoundView(variable, bound)
+    else:
+        view = KerasVariableView(_strategy_of(variable), variable)
     with _views_lock:
         _views[key] = view
     weakref.finalize(variable, _forget_view, key)
@@ -228,10 +235,16 @@ class FrameScope(keras.StatelessScope):
     def get_current_value(self, variable: Any) -> Any:
         _stored(variable)  # a variable created inside the trace has no value to thread: say what to do
         _refuse_ps_variable(variable)
+        from jaxdist.keras.ps_custom_loop import refuse_optimizer_variable
+
+        refuse_optimizer_variable(variable)
         return view_of(variable).value()
 
     def add_update(self, update: Any) -> None:
+        from jaxdist.keras.ps_custom_loop import refuse_weight_assign
+
         variable, value = update
+        refuse_weight_assign(variable)
         view = view_of(variable)
         view.assign(aggregate_update(variable, view.value(), value), read_value=False)
 
@@ -245,7 +258,9 @@ def _refuse_ps_variable(variable: Any) -> None:
             f"Keras variable {variable.path!r} belongs to a model built in {type(ps).__name__}.scope(): its training "
             "state lives on the parameter servers, which strategy.run / jaxdist.function do not read or update. "
             "Train such a model with model.fit / evaluate (they dispatch closures through a ClusterCoordinator), "
-            "or write the custom loop with jaxdist.create_variables, jaxdist.pull and jaxdist.apply_gradients"
+            "or schedule the custom loop's steps as closures (ClusterCoordinator.schedule) that call "
+            "strategy.run(replica_fn) on the worker, or write it with jaxdist.create_variables, jaxdist.pull and "
+            "jaxdist.apply_gradients"
         )
 
 
@@ -270,7 +285,11 @@ def optimizer_apply(original: Callable[..., Any]) -> Callable[..., Any]:
     gradients first in a synchronous strategy's replica context, and building the optimizer outside the trace."""
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
+        from jaxdist.keras.ps_custom_loop import ps_apply
+
         grads = list(grads)
+        if ps_apply(self, grads, trainable_variables, _mesh_replica()):
+            return None  # a worker's copy of an optimizer trained under ParameterServerStrategy: the PS applies
         if trainable_variables is not None and not self.built and _in_frame():
             trainable_variables = list(trainable_variables)
             _build_outside_trace(self, trainable_variables)

@@ -279,6 +279,10 @@ def _build(model: Any, batch: Any) -> PSModel:
     _check_metric_aggregation(model)
     pm = ps_model(model)
     assert pm is not None
+    if pm.optimizer is not model.optimizer:
+        raise ConfigurationError(
+            f"Keras model {model.name!r} has its variables on the parameter servers with optimizer "
+            f"{pm.optimizer.name!r} (a custom loop in closures made them): fit/evaluate it compiled with that optimizer")
     return pm
 
 

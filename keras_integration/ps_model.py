@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+import keras
 from keras.distribution import DeviceMesh, TensorLayout
 
 from jaxdist.base.errors import ConfigurationError
@@ -42,13 +43,16 @@ from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_strategy_of", "ps_variables", "sync_from_ps"]
+__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
+           "sync_from_ps"]
 
 _lock = threading.Lock()
 #: Keras variables created in a PSDistribution's scope -> that distribution (by id; weak values).
 _owned: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 _owner: dict[int, PSDistribution] = {}
 _models: weakref.WeakKeyDictionary[Any, PSModel] = weakref.WeakKeyDictionary()
+#: Keras optimizers made in a PSDistribution's scope -> that distribution (a custom loop's model finds its optimizer).
+_optimizers: weakref.WeakKeyDictionary[Any, PSDistribution] = weakref.WeakKeyDictionary()
 #: Models whose embedding tables apply row gradients lazily (:func:`lazy_embeddings`).
 _lazy: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
@@ -72,9 +76,12 @@ class PSDistribution(Distribution):
         return 1
 
     def get_variable_layout(self, variable: Any) -> None:
+        caller = compat.name_scope_caller()
         with _lock:
             _owned[id(variable)] = variable
             _owner[id(variable)] = self
+            if isinstance(caller, keras.optimizers.Optimizer):  # the optimizer's own variables (its step counter)
+                _optimizers[caller] = self
         weakref.finalize(variable, _owner.pop, id(variable), None)
         return None  # made on the coordinator's default device; the PS copy is made at the first fit
 
@@ -110,6 +117,12 @@ def ps_strategy_of_variable(variable: Any) -> Any:
     return None
 
 
+def ps_optimizers(strategy: Any) -> list[Any]:
+    """The Keras optimizers made in ``strategy.scope()`` (alive), in no particular order."""
+    with _lock:
+        return [opt for opt, dist in _optimizers.items() if dist.strategy is strategy]
+
+
 def _safe(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.\-/]", "_", path)
 
@@ -117,31 +130,35 @@ def _safe(path: str) -> str:
 class PSModel:
     """A compiled Keras model's state on the parameter servers (see the module docstring).
 
+    ``optimizer`` (a custom loop's, :mod:`jaxdist.keras.ps_custom_loop`): the Keras optimizer whose rule the
+    PS applies, for a model that is not compiled; ``iterations``: the PS step counter to use (that optimizer's).
+
     Raises:
-        ConfigurationError: the model is not compiled, or not built.
+        ConfigurationError: the model is not compiled (and no ``optimizer`` is given), or not built.
         UnsupportedOptimizerError: its optimizer has no PS equivalent.
     """
 
-    def __init__(self, model: Any, strategy: Any) -> None:
-        if not getattr(model, "compiled", False) or model.optimizer is None:
+    def __init__(self, model: Any, strategy: Any, optimizer: Any = None, iterations: Any = None) -> None:
+        if optimizer is None and (not getattr(model, "compiled", False) or model.optimizer is None):
             raise ConfigurationError("compile the Keras model (in the strategy's scope) before fit/evaluate")
         if not model.built:
             raise ConfigurationError("build the Keras model (keras.Input, or call it on a batch) before fit/evaluate "
                                      "under ParameterServerStrategy")
         self.model = model
         self.strategy = strategy
-        self.optimizer = model.optimizer
+        self.optimizer = optimizer if optimizer is not None else model.optimizer
         #: Row gradients of the row-sparse tables are applied lazily (:func:`lazy_embeddings`), else exactly.
         self.lazy = _lazy.get(model, False)
         self.sparse = sparse_embeddings(model)
-        self.learning_rate = learning_rate_of(model.optimizer)
+        self.learning_rate = learning_rate_of(self.optimizer)
         self.uid = uuid.uuid4().hex[:12]
         self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", optimizer=tx)
                           for v, tx in zip(model.trainable_variables, self._optimizers())]
         self.non_trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", trainable=False)
                               for v in model.non_trainable_variables]
-        self.iterations = strategy.create_variable(np.asarray(int(model.optimizer.iterations.numpy()), np.int64),
-                                                   name=f"keras/{_safe(model.name)}/iterations", trainable=False)
+        self.iterations = iterations if iterations is not None else strategy.create_variable(
+            np.asarray(int(self.optimizer.iterations.numpy()), np.int64), name=f"keras/{_safe(model.name)}/iterations",
+            trainable=False)
         self._spec: ModelSpec | None = None
         logger.info("Keras model %s: %d trainable, %d non-trainable variables on %d PS tasks", model.name,
                     len(self.trainable), len(self.non_trainable), strategy.num_ps)
@@ -201,8 +218,9 @@ class PSModel:
         self.optimizer.iterations.assign(int(values[-1]))
 
 
-def ps_model(model: Any) -> PSModel | None:
-    """``model``'s :class:`PSModel` (made on first call), or None when it was not built in a PS strategy's scope."""
+def ps_model(model: Any, optimizer: Any = None, iterations: Any = None) -> PSModel | None:
+    """``model``'s :class:`PSModel` (made on first call, with ``optimizer`` and ``iterations`` if given: see
+    :class:`PSModel`), or None when it was not built in a PS strategy's scope."""
     with _lock:
         got = _models.get(model)
     if got is not None:
@@ -210,9 +228,15 @@ def ps_model(model: Any) -> PSModel | None:
     strategy = ps_strategy_of(model)
     if strategy is None:
         return None
-    made = PSModel(model, strategy)
+    made = PSModel(model, strategy, optimizer, iterations)
     with _lock:
         return _models.setdefault(model, made)
+
+
+def ps_model_with_optimizer(optimizer: Any) -> PSModel | None:
+    """The :class:`PSModel` (made already) whose PS optimizer is ``optimizer``'s rule, or None."""
+    with _lock:
+        return next((pm for pm in _models.values() if pm.optimizer is optimizer), None)
 
 
 def ps_variables(model: Any) -> list[Any]:
@@ -234,8 +258,14 @@ def ps_variables(model: Any) -> list[Any]:
 def sync_from_ps(model: Any) -> bool:
     """Copy the PS's current values into ``model``'s Keras variables when its state lives on the PS.
 
+    Its weights, and the PS step counter into its optimizer's ``iterations``. ``fit`` does it after every
+    epoch; a custom loop in ``ClusterCoordinator`` closures (:mod:`jaxdist.keras.ps_custom_loop`) calls it
+    when the coordinator wants the trained weights (``get_weights``, ``save_weights``, ``predict`` outside
+    ``fit``). Call it once the steps that count are done (``coordinator.join()``).
+
     Returns True when it did; False when ``model`` has no PS state (not built in a ParameterServerStrategy's
-    scope, or never fitted or evaluated there: its Keras variables are then the only copy).
+    scope, or never fitted, evaluated or used by a scheduled closure there: its Keras variables are then the
+    only copy).
     """
     with _lock:
         got = _models.get(model)

@@ -19,6 +19,7 @@ is the same function).
 
 from __future__ import annotations
 
+import contextvars
 import io
 import marshal
 import pickle
@@ -28,7 +29,17 @@ from typing import Any
 
 import cloudpickle
 
-__all__ = ["Pickler", "dumps"]
+__all__ = ["Pickler", "dumps", "shipping"]
+
+#: True while a :class:`Pickler` pickles (an object travelling to another jaxdist process).
+_SHIPPING: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_shipping", default=False)
+
+
+def shipping() -> bool:
+    """Whether the pickling in progress is jaxdist's (:class:`Pickler`: a closure, its arguments or results, going to
+    another process), not ``pickle.dumps`` / ``copy.deepcopy`` of the user's: an object whose ``__reduce__``
+    sends a reference to state kept elsewhere (a Keras model trained on parameter servers) does it only then."""
+    return _SHIPPING.get()
 
 
 def _reduce_code(code: types.CodeType) -> tuple[Any, tuple[bytes]]:
@@ -39,6 +50,13 @@ class Pickler(cloudpickle.Pickler):
     """cloudpickle's pickler, except that code objects keep their file names (module docstring)."""
 
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
+
+    def dump(self, obj: Any) -> None:
+        token = _SHIPPING.set(True)  # see shipping()
+        try:
+            super().dump(obj)
+        finally:
+            _SHIPPING.reset(token)
 
 
 def dumps(obj: Any, protocol: int = pickle.HIGHEST_PROTOCOL) -> bytes:

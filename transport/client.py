@@ -38,6 +38,9 @@ __all__ = ["BUSY_RETRY_S", "ServiceClient"]
 
 logger = logging.getLogger(__name__)
 
+#: The retry jitter's own generator (Python's global one is the user's: random.seed must fix their sequence).
+_jitter = random.Random()
+
 #: Waits before a call refused as busy is made again: the first and the longest (each doubles the
 #: last, times a uniform 0.5-1.5 so that refused callers spread out); the call's deadline bounds them.
 BUSY_RETRY_S = (0.01, 0.5)
@@ -110,7 +113,7 @@ class ServiceClient:
                 return attempt(left)
             except grpc.RpcError as e:
                 err = self.error(e)
-            pause = wait * random.uniform(0.5, 1.5)
+            pause = wait * _jitter.uniform(0.5, 1.5)
             left = deadline - time.monotonic() - pause
             if not (again and isinstance(err, E.ServerBusyError)) or left <= 0:
                 raise err from None

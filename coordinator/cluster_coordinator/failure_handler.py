@@ -383,7 +383,7 @@ class FailureHandler:
         max_probe_rate: heartbeats per second, all workers together.
         forget_after: seconds a worker that joined through registration may
             stay unreachable before it is forgotten.
-        rng: uniform [0, 1) numbers for the probe jitter.
+        rng: uniform [0, 1) numbers for the probe jitter (default: a generator of its own, not Python's global one).
     """
 
     def __init__(
@@ -395,7 +395,7 @@ class FailureHandler:
         heartbeat_interval: float = 0.5,
         max_probe_rate: float = DEFAULT_MAX_PROBE_RATE,
         forget_after: float = DEFAULT_FORGET_AFTER,
-        rng: Callable[[], float] = random.random,
+        rng: Callable[[], float] | None = None,
     ) -> None:
         if max_probe_rate <= 0 or heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval and max_probe_rate must be positive")
@@ -405,7 +405,10 @@ class FailureHandler:
         self.max_probe_rate = max_probe_rate
         self.forget_after = forget_after
         self._clock = clock
-        self._rng = rng
+        # Its own generator by default, never Python's global one: the heartbeat thread would otherwise draw
+        # from the sequence that random.seed / keras.utils.set_random_seed fix for the user's program (Keras
+        # seeds each initializer from it), making a seeded model's initial weights depend on the timing.
+        self._rng = rng if rng is not None else random.Random().random
         self._lock = threading.Lock()
         self._workers: dict[int, _Worker] = {}
         self._watched = 0  # healthy workers at the last tick (the probe interval divides by the rate)

@@ -503,3 +503,18 @@ def test_an_unreachable_registered_worker_is_forgotten_a_static_one_never() -> N
     assert h.worker_status(0).left and not h.worker_status(1).left
     clock.t += 1000
     assert h.tick() == []  # forgotten once; the static worker waits for ever
+
+
+def test_probe_jitter_leaves_pythons_global_random_alone() -> None:
+    """The heartbeat jitter has its own generator: a coordinator's threads must not move the sequence that
+    random.seed / keras.utils.set_random_seed fix for the user (Keras seeds each initializer from it)."""
+    import random
+
+    random.seed(1234)
+    expected = random.Random(1234).random()
+    h, clock = healthy()
+    for _ in range(5):
+        clock.t += 1.0
+        h.heartbeat_answered(0, "inc-0")  # each answer draws the next probe's jitter
+        h.closures_returned(1, [])
+    assert random.random() == expected

@@ -1,0 +1,370 @@
+"""TF's custom-training-loop guide with its Keras parts, inside ClusterCoordinator closures under
+ParameterServerStrategy (in-process cluster: real gRPC PS and worker services in one process).
+
+The guide's Keras model, Adam, ``SparseCategoricalCrossentropy(reduction=None)`` scaled by
+``jaxdist.compute_average_loss``, and three Keras metrics (train loss ``Mean``, train accuracy, test
+accuracy) are made in ``ParameterServerStrategy.scope()``; each training step is a closure whose
+``strategy.run(train_step)`` takes the gradient with ``jax.value_and_grad`` over ``model.stateless_call``
+and calls ``optimizer.apply_gradients`` and ``train_accuracy.update_state`` (the state lives on the PS: the
+closure pulls the weights, pushes the gradients, the PS applies Keras's Adam); the closure's body updates
+the train loss ``Mean`` eagerly; each test step is a closure whose ``strategy.run`` calls ``model(x)`` and
+the test metric. With 1 worker and the steps scheduled one after another, the weights, step count and the
+three metrics' results per epoch must equal Keras's own JAX recipe under ``jax.jit`` on one device, no
+jaxdist, within 1e-5. Keras picks its backend at import, so the checks run in one fresh subprocess
+(see device_checks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from device_checks import DeviceChecks, assert_passed
+
+if importlib.util.find_spec("keras") is None:
+    pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
+
+GLOBAL_BATCH = 32
+EPOCHS = 2
+TOL = 1e-5
+
+
+def _setup() -> None:
+    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
+
+
+CHECKS = DeviceChecks(__file__, "KERAS_PS_LOOP_RESULTS=", devices=1, timeout=600, setup=_setup)
+check = CHECKS.check
+
+
+def _data() -> tuple[list[Any], list[Any]]:
+    """96 training and 64 test 8x8x1 images with 10 classes, in batches of GLOBAL_BATCH."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(160, 8, 8, 1)).astype(np.float32)
+    y = rng.integers(0, 10, size=(160,)).astype(np.int32)
+    train = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, 96, GLOBAL_BATCH)]
+    test = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(96, 160, GLOBAL_BATCH)]
+    return train, test
+
+
+def _parts(strategy: Any, weights: list[Any] | None = None) -> dict[str, Any]:
+    """The guide's model, loss, optimizer and metrics, made in ``strategy.scope()`` (None: no scope); the model's
+    initial ``weights`` set when given, so the comparison does not rest on Keras's seeding alone (Keras seeds
+    each initializer from Python's global ``random``; a coordinator's heartbeat thread drew from it too, which
+    made seeded initial weights depend on timing: tests/unit/test_failure_handler.py guards that)."""
+    import contextlib
+
+    import keras
+
+    keras.utils.set_random_seed(7)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras.Sequential([
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(10),
+        ])
+        if weights is not None:
+            model.set_weights(weights)
+        return {
+            "model": model,
+            "loss_object": keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None),
+            "optimizer": keras.optimizers.Adam(0.01),
+            "train_loss": keras.metrics.Mean(name="train_loss"),
+            "train_accuracy": keras.metrics.SparseCategoricalAccuracy(name="train_accuracy"),
+            "test_accuracy": keras.metrics.SparseCategoricalAccuracy(name="test_accuracy"),
+        }
+
+
+METRICS = ("train_loss", "train_accuracy", "test_accuracy")
+
+
+def _reference() -> dict[str, Any]:
+    """Keras's own JAX custom-loop recipe under jax.jit on one device, no jaxdist strategy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    p = _parts(None)
+    model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
+    initial = [np.asarray(w) for w in model.get_weights()]
+    optimizer.build(model.trainable_variables)
+
+    def loss_fn(trainable: Any, non_trainable: Any, x: Any, y: Any) -> Any:
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=True)
+        return jnp.sum(loss_object(y, y_pred)) / GLOBAL_BATCH, y_pred
+
+    @jax.jit
+    def train_step(state: Any, data: Any) -> Any:
+        trainable, non_trainable, optimizer_vars, mv = state
+        x, y = data
+        (loss, y_pred), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable, non_trainable, x, y)
+        trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        mv = dict(mv, train_loss=p["train_loss"].stateless_update_state(mv["train_loss"], loss),
+                  train_accuracy=p["train_accuracy"].stateless_update_state(mv["train_accuracy"], y, y_pred))
+        return trainable, non_trainable, optimizer_vars, mv
+
+    @jax.jit
+    def test_step(trainable: Any, non_trainable: Any, mv: Any, data: Any) -> Any:
+        x, y = data
+        y_pred, _ = model.stateless_call(trainable, non_trainable, x, training=False)
+        return dict(mv, test_accuracy=p["test_accuracy"].stateless_update_state(mv["test_accuracy"], y, y_pred))
+
+    trainable = [v.value for v in model.trainable_variables]
+    non_trainable = [v.value for v in model.non_trainable_variables]
+    optimizer_vars = [v.value for v in optimizer.variables]
+    train, test = _data()
+    epochs = []
+    for _ in range(EPOCHS):
+        mv = {k: [v.value for v in p[k].variables] for k in METRICS}
+        for batch in train:
+            trainable, non_trainable, optimizer_vars, mv = train_step((trainable, non_trainable, optimizer_vars, mv), batch)
+        for batch in test:
+            mv = test_step(trainable, non_trainable, mv, batch)
+        epochs.append({k: float(p[k].stateless_result(mv[k])) for k in METRICS})
+    return {"weights": [np.asarray(w) for w in trainable], "metrics": epochs, "iterations": EPOCHS * len(train),
+            "initial": initial}
+
+
+def _guide_in_closures(strategy: Any, coordinator: Any, initial: list[Any]) -> dict[str, Any]:
+    """The guide's loop: each step a closure, scheduled one after another on the cluster's worker."""
+    import jax
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    p = _parts(strategy, initial)
+    model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
+    train_loss, train_accuracy, test_accuracy = p["train_loss"], p["train_accuracy"], p["test_accuracy"]
+
+    def train_step(inputs: Any) -> Any:
+        images, labels = inputs
+
+        def loss_fn(trainable: Any) -> Any:
+            non_trainable = [v.value for v in model.non_trainable_variables]
+            predictions, _ = model.stateless_call(trainable, non_trainable, images, training=True)
+            per_example_loss = loss_object(labels, predictions)
+            return jaxdist.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH), predictions
+
+        (loss, predictions), gradients = jax.value_and_grad(loss_fn, has_aux=True)(
+            [v.value for v in model.trainable_variables])
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+        train_accuracy.update_state(labels, predictions)
+        return loss
+
+    def test_step(inputs: Any) -> None:
+        images, labels = inputs
+        predictions = model(images, training=False)
+        test_accuracy.update_state(labels, predictions)
+
+    def distributed_train_step(batch: Any) -> Any:
+        per_replica_losses = strategy.run(train_step, args=(batch,))
+        loss = strategy.reduce(jaxdist.ReduceOp.SUM, per_replica_losses, axis=None)
+        train_loss.update_state(loss)  # eagerly, in the closure's body
+        return loss
+
+    def distributed_test_step(batch: Any) -> None:
+        strategy.run(test_step, args=(batch,))
+
+    train, test = _data()
+    epochs = []
+    for _ in range(EPOCHS):
+        for batch in train:
+            coordinator.schedule(distributed_train_step, args=(batch,)).fetch()
+        for batch in test:
+            coordinator.schedule(distributed_test_step, args=(batch,)).fetch()
+        coordinator.join()
+        epochs.append({k: float(p[k].result()) for k in METRICS})
+        for k in METRICS:
+            p[k].reset_state()
+    assert jaxdist.keras.sync_from_ps(model)
+    return {"weights": [np.asarray(w) for w in model.get_weights()], "metrics": epochs,
+            "iterations": int(np.asarray(optimizer.iterations.value)), "model": model}
+
+
+def _assert_same(got: dict[str, Any], ref: dict[str, Any], what: str) -> None:
+    import numpy as np
+
+    assert len(got["weights"]) == len(ref["weights"]), what
+    for i, (a, b) in enumerate(zip(got["weights"], ref["weights"])):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL, err_msg=f"{what}: weight {i}")
+    for e, (g, r) in enumerate(zip(got["metrics"], ref["metrics"])):
+        assert sorted(g) == sorted(r), (what, g, r)
+        for name in r:
+            np.testing.assert_allclose(g[name], r[name], atol=TOL, rtol=TOL, err_msg=f"{what}: epoch {e} {name}")
+    assert got["iterations"] == ref["iterations"], (what, got["iterations"], ref["iterations"])
+
+
+def _cluster(num_ps: int = 2) -> Any:
+    from jaxdist.testing import InProcessCluster
+
+    return InProcessCluster(num_workers=1, num_ps=num_ps)
+
+
+@check
+def guide_in_ps_closures_matches_one_device_keras() -> None:
+    import jaxdist
+
+    ref = _reference()
+    with _cluster() as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        got = _guide_in_closures(strategy, coordinator, ref["initial"])
+        # The weights live on the PS (two tasks: the model's variables are spread over both).
+        assert len({v.ps_index for v in jaxdist.keras.ps_variables(got["model"])}) == 2
+    _assert_same(got, ref, "guide in ParameterServerStrategy closures")
+
+
+class EndlessBatches:
+    """A per-worker dataset function (module-level: it pickles to the workers): the training batches, repeated."""
+
+    def __call__(self, input_context: Any) -> Any:
+        train, _ = _data()
+        while True:
+            yield from train
+
+
+@check
+def tf_ps_tutorial_pattern_on_two_workers_counts_every_step_once() -> None:
+    """TF's PS tutorial's shape: a per-worker dataset, ``next(iterator)`` in the scheduled function, closures
+    spread over 2 workers at once. Every step is applied once (the PS step counter), and the metric counts
+    every example once (its accumulated count)."""
+    import jax
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.testing import InProcessCluster
+
+    closures = 12
+    with InProcessCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        p = _parts(strategy)
+        model, loss_object, optimizer, accuracy = p["model"], p["loss_object"], p["optimizer"], p["train_accuracy"]
+
+        def replica_fn(batch: Any) -> Any:
+            images, labels = batch
+
+            def loss_fn(trainable: Any) -> Any:
+                predictions, _ = model.stateless_call(trainable, [], images, training=True)
+                loss = jaxdist.compute_average_loss(loss_object(labels, predictions), global_batch_size=GLOBAL_BATCH)
+                return loss, predictions
+
+            (loss, predictions), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                [v.value for v in model.trainable_variables])
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            accuracy.update_state(labels, predictions)
+            return loss
+
+        def step_fn(iterator: Any) -> Any:
+            return strategy.reduce("SUM", strategy.run(replica_fn, args=(next(iterator),)), axis=None)
+
+        iterator = iter(coordinator.create_per_worker_dataset(EndlessBatches()))
+        losses = [coordinator.schedule(step_fn, args=(iterator,)) for _ in range(closures)]
+        coordinator.join()
+        assert all(np.isfinite(float(rv.fetch())) for rv in losses)
+        assert 0.0 <= float(accuracy.result()) <= 1.0
+        total, count = (float(np.asarray(v.value)) for v in accuracy.variables)
+        assert count == closures * GLOBAL_BATCH, (total, count)
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == closures
+        # The user's own pickling (pickle, copy.deepcopy) is Keras's: a standalone copy, not bound to the PS.
+        import pickle
+
+        from jaxdist.keras.ps_custom_loop import binding
+
+        copied = pickle.loads(pickle.dumps(accuracy))
+        assert type(copied) is type(accuracy) and all(binding(v) is None for v in copied.variables)
+        accuracy.reset_state()
+        assert float(accuracy.result()) == 0.0
+        assert float(np.asarray(accuracy.variables[1].value)) == 0.0
+
+
+@check
+def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
+    """stateless_apply of a PS-trained optimizer, a weight assigned in the step, two optimizers in the scope:
+    ConfigurationError naming the fix (never JAX's mesh error)."""
+    import jax
+    import keras
+    import numpy as np
+
+    import jaxdist
+    from jaxdist.errors import ConfigurationError
+
+    x, y = np.ones((4, 3), np.float32), np.zeros((4,), np.int32)
+
+    def raises(coordinator: Any, fn: Callable[..., Any], *needles: str) -> None:
+        try:
+            coordinator.schedule(fn, args=((x, y),))
+            coordinator.join()
+        except Exception as e:  # the closure's error, as join raises it (once: the next schedule starts clean)
+            text = str(e)
+            assert isinstance(e, ConfigurationError) or "ConfigurationError" in text, (type(e), text)
+            assert "Mesh for all inputs" not in text, text
+            for needle in needles:
+                assert needle in text, (needle, text)
+            return
+        raise AssertionError(f"{fn.__name__}: no ConfigurationError")
+
+    with _cluster(num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            optimizer = keras.optimizers.SGD(0.1)
+
+        def stateless(batch: Any) -> Any:
+            def replica_fn(b: Any) -> Any:
+                trainable = [v.value for v in model.trainable_variables]
+                grads = jax.grad(lambda t: model.stateless_call(t, [], b[0])[0].sum())(trainable)
+                optimizer.stateless_apply([v.value for v in optimizer.variables], grads, trainable)
+                return 0.0
+
+            return strategy.run(replica_fn, args=(batch,))
+
+        def assigns_weight(batch: Any) -> Any:
+            def replica_fn(b: Any) -> Any:
+                model.layers[0].bias.assign(model.layers[0].bias + 1.0)
+                return 0.0
+
+            return strategy.run(replica_fn, args=(batch,))
+
+        raises(coordinator, stateless, "stateless_apply", "apply_gradients(zip(grads, model.trainable_variables))")
+        raises(coordinator, assigns_weight, "lives on the parameter servers", "optimizer.apply_gradients")
+
+    with _cluster(num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        with strategy.scope():
+            model2 = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            optimizers = [keras.optimizers.SGD(0.1), keras.optimizers.Adam(0.1)]  # kept: candidates while alive
+
+        def uses_model(batch: Any) -> Any:
+            return strategy.run(lambda b: model2(b[0]), args=(batch,))
+
+        raises(coordinator, uses_model, "2 Keras optimizers", "model.compile(optimizer=optimizer)")
+        assert len(optimizers) == 2
+
+
+@pytest.fixture(scope="module")
+def check_results() -> dict[str, str | None]:
+    return CHECKS.collect()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(660)
+@pytest.mark.parametrize("name", CHECKS.names())
+def test_keras_ps_custom_loop(name: str, check_results: dict[str, str | None]) -> None:
+    assert_passed(check_results, name)
+
+
+if __name__ == "__main__":
+    CHECKS.main()
