@@ -7,6 +7,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -120,6 +121,21 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         print(f"\njaxdist tests: temporary files of this run kept in {RUN_TMP}", file=sys.stderr)
 
 
+def _slow_files_first(items: list[pytest.Item]) -> None:
+    """Order the files with the most slow tests first, each file's tests in their own order.
+
+    ``--dist loadfile`` hands whole files to the two test processes in this order, so the long files
+    start first and the run ends on short files that fill both processes, not on one process still
+    running a long file while the other has nothing left (the run's wall time was that file's).
+    """
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
+    slow = Counter(file_of(item) for item in items if item.get_closest_marker("slow") is not None)
+    first_seen = {f: i for i, f in enumerate(dict.fromkeys(file_of(item) for item in items))}
+    items.sort(key=lambda item: (-slow[file_of(item)], first_seen[file_of(item)]))
+
+
 #: Test modules where some test uses a shared fixture: the servers and clients such a fixture
 #: keeps may start threads lazily during any test of the module (a connection pool's first use,
 #: a server's first call of a kind), so their tests are checked when the module ends.
@@ -128,6 +144,7 @@ _SHARED_MODULES: set[str] = set()
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     tiers.apply(items)
+    _slow_files_first(items)
     for item in items:
         if SHARED_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             _SHARED_MODULES.add(item.nodeid.split("::")[0])
