@@ -40,6 +40,19 @@ lazy mode in core TF), ``sgd`` (``SGD(0.05)``) and ``adagrad``
 cluster; per round and optimizer TF and jaxdist alternate which goes first
 (jaxdist's ``adam_lazy`` right after its ``adam``). Medians over ``--rounds``.
 
+A contender that fails is a ``failure`` line (its error's tail) and counted in the summary; the
+others still run. Under heavy load (load average 15-25 on the 2-core machine) jaxdist's Adam
+contenders failed in their first epoch: a worker's push to a PS timed out after the PS client's 10 s
+push deadline while the PS compiled its XLA step for each of the 26 tables (and, in the exact mode,
+ran Adam's dense rule over its 5M-row shard). ``--jax-cache DIR`` gives jaxdist's processes JAX's
+persistent compilation cache and ``--prewarm adam,adam_lazy`` runs those configs once, untimed,
+before the rounds, so that the PS loads its compiled steps instead of compiling them (only the
+untimed first epoch changes).
+
+``--links RATE`` (root only) runs each contender on bench/netbench.py's emulated hosts: 2 PS, 2
+workers and the coordinator each in a network namespace behind a tc tbf link of RATE, fresh task
+processes per contender (jaxdist with ``JAXDIST_SHM=0``), and adds the bytes each host's link carried.
+
 jaxdist also reports the bytes pulled and pushed per step (the PS counters over
 the timed epoch, minus the epoch-end pull of the whole model) against the
 batch's distinct ids (summed over the 26 tables) and the table bytes. TF has no
@@ -60,6 +73,7 @@ runs jaxdist only.
 
 Usage: python bench/recsys.py [--rounds 3] [--largest 10000000] [--configs adam,adam_lazy,sgd,adagrad]
        [--batch 512] [--steps 64] [--spe 8] [--tf-python PATH] [--system both|jaxdist|tf] [--out FILE]
+       [--jax-cache DIR] [--prewarm adam,adam_lazy] [--links 1gbit]
 """
 
 from __future__ import annotations
@@ -430,6 +444,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--links", default=None, metavar="RATE",
                     help="run every task on its own emulated host behind a RATE link (e.g. 1gbit; root only: "
                          "bench/netbench.py's network namespaces and tc tbf); default: all on this host")
+    ap.add_argument("--jax-cache", default=None, metavar="DIR",
+                    help="JAX's persistent compilation cache for jaxdist's processes (coordinator, PS, workers): "
+                         "JAX_COMPILATION_CACHE_DIR=DIR, every compile cached; see --prewarm")
+    ap.add_argument("--prewarm", default="", metavar="CONFIGS",
+                    help="first run these jaxdist configs (comma-separated) once each, untimed (kind=prewarm, not in the medians; a failure "
+                         "is recorded and ignored), so that with --jax-cache the PS's per-table XLA steps are compiled "
+                         "before the rounds")
     ap.add_argument("--note", default=None, help="a note for the config line (e.g. the machine's load)")
     ap.add_argument("--out", default=DEFAULT_OUT)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -469,33 +490,42 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--links has netbench's 5 hosts: 2 PS, 2 workers and the coordinator")
         os.environ["KERAS_BACKEND"] = "jax"  # jaxdist's worker tasks run Keras steps
         lab = netbench.Lab(netbench.parse_rate(args.links)).build()
+    if args.jax_cache:
+        os.makedirs(args.jax_cache, exist_ok=True)
+        os.environ.update(JAX_COMPILATION_CACHE_DIR=os.path.abspath(args.jax_cache),
+                          JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")  # TF ignores them
     cards = cardinalities(args.largest)
     lines: list[dict[str, Any]] = [dict(
         kind="config", started=time.strftime("%Y-%m-%dT%H:%M:%S"), rounds=args.rounds, configs=configs,
         systems=systems, tf_python=tf_python, largest=args.largest, tables=len(cards), total_rows=sum(cards),
         dim=args.dim, batch=args.batch, batches=args.batches, steps_per_epoch=args.steps, steps_per_execution=args.spe,
         workers=args.workers, ps=args.ps, zipf=args.zipf, cpus=os.cpu_count(), load_average=os.getloadavg()[0],
-        links=args.links, note=args.note)]
+        links=args.links, jax_cache=args.jax_cache, prewarm=args.prewarm, note=args.note)]
     print(json.dumps(lines[0]), flush=True)
     runs: list[dict[str, Any]] = []
     try:
         with tempfile.TemporaryDirectory(prefix="recsys_") as logdir:
-            for i, (r, system, config) in enumerate(schedule(args.rounds, configs, systems)):
+            order = schedule(args.rounds, configs, systems)
+            if args.prewarm and "jaxdist" in systems:
+                order = [(-1, "jaxdist", c) for c in args.prewarm.split(",")] + order
+            for i, (r, system, config) in enumerate(order):
                 python = tf_python if system == "tf" else sys.executable
                 assert python is not None
                 try:
                     got = (spawn(python, system, config, args) if lab is None
                            else spawn_on_links(lab, logdir, 2300 + i, python, system, config, args))
                 except RuntimeError as e:  # recorded (the summary counts it); the other contenders still run
-                    fail = dict(kind="failure", round=r, system=system, config=config, links=args.links,
+                    fail = dict(kind="failure" if r >= 0 else "prewarm_failure", round=r, system=system, config=config, links=args.links,
                                 load_average=round(os.getloadavg()[0], 1), error=str(e)[-3000:])
-                    runs.append(fail)
+                    if r >= 0:
+                        runs.append(fail)
                     lines.append(fail)
                     print(json.dumps(fail), flush=True)
                     continue
-                rec = dict(kind="run", round=r, system=system, config=config, links=args.links,
+                rec = dict(kind="run" if r >= 0 else "prewarm", round=r, system=system, config=config, links=args.links,
                            load_average=round(os.getloadavg()[0], 1), **got)
-                runs.append(rec)
+                if r >= 0:
+                    runs.append(rec)
                 lines.append(rec)
                 print(json.dumps(rec), flush=True)
     finally:
