@@ -65,20 +65,30 @@ class ShardedVariable(VariableOps):
         idx = np.asarray(indices, dtype=np.int64)
         flat = idx.reshape(-1)
         uniq, inverse = np.unique(flat, return_inverse=True)
-        shard, local = self._split_rows(uniq)
-        by_ps: dict[int, list[tuple[int, np.ndarray]]] = defaultdict(list)
-        positions: dict[int, np.ndarray] = {}
-        for s in np.unique(shard):
-            sel = np.nonzero(shard == s)[0]
-            positions[int(s)] = sel
-            by_ps[self.variables[int(s)].ps_index].append((int(s), local[sel]))
-        conns = self.variables[0].connections()
-        results = pull_specs(
-            conns, {ps: [PullSpec(self.variables[s].name, indices=rows) for s, rows in items] for ps, items in by_ps.items()})
+        if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.shape[0]):
+            raise IndexError(f"row index out of range [0, {self.shape[0]}) for {self.name!r}")
+        # ``uniq`` is sorted and shards are contiguous row ranges in row order: each shard's rows are
+        # one slice of it, found by binary search, and the shards' answers land, in place, in
+        # consecutive slices of one buffer (no per-row shard lookup, no scatter of the answers).
+        cuts = np.searchsorted(uniq, self._offsets)
         out = np.empty((len(uniq),) + self.shape[1:], self.dtype)
-        for ps, items in by_ps.items():
-            for (s, _rows), (value, _ver) in zip(items, results[ps]):
-                out[positions[s]] = value
+        by_ps: dict[int, list[PullSpec]] = defaultdict(list)
+        outs: dict[int, list[np.ndarray | None]] = defaultdict(list)
+        for s, v in enumerate(self.variables):
+            a, b = int(cuts[s]), int(cuts[s + 1])
+            if a == b:
+                continue
+            by_ps[v.ps_index].append(PullSpec(v.name, indices=uniq[a:b] - self._offsets[s]))
+            outs[v.ps_index].append(out[a:b])
+        if by_ps:
+            results = pull_specs(self.variables[0].connections(), dict(by_ps), outs=dict(outs))
+            for ps, dests in outs.items():
+                for dest, (value, _ver) in zip(dests, results[ps]):
+                    if value is not dest:  # received elsewhere (the transport could not write in place)
+                        assert dest is not None and value is not None
+                        dest[...] = value
+        if len(uniq) == len(flat) and np.array_equal(uniq, flat):
+            return out.reshape(idx.shape + self.shape[1:])  # sorted distinct ids: no gather
         return out[inverse].reshape(idx.shape + self.shape[1:])
 
     def embedding_lookup(self, ids: Any) -> np.ndarray:

@@ -76,6 +76,12 @@ def _bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _donatable(param: Any, state: Any) -> bool:
+    """Whether every buffer of a step's inputs is an XLA array (numpy inputs are copied in anyway;
+    donating them only makes XLA warn)."""
+    return all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves((param, state)))
+
+
 def _to_numpy_tree(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
@@ -108,36 +114,47 @@ class Optimizer:
 
         self._step = jax.jit(step)
         self._row_step = jax.jit(row_step)
+        # The same steps with the parameter and state buffers donated: XLA writes the new values
+        # into them instead of allocating (and page-faulting) a table-sized array per leaf per
+        # push; the exact mode's O(table) work is then one pass over memory already mapped.
+        self._step_donating = jax.jit(step, donate_argnums=(0, 1))
+        self._row_step_donating = jax.jit(row_step, donate_argnums=(0, 1))
         self._init = jax.jit(tx.init)
 
     def init(self, param: np.ndarray) -> Any:
         return _to_numpy_tree(self._init(param))
 
-    def apply(self, param: Any, state: Any, grad: np.ndarray) -> tuple[np.ndarray, jax.Array, Any]:
+    def apply(self, param: Any, state: Any, grad: np.ndarray, donate: bool = False) -> tuple[np.ndarray, jax.Array, Any]:
         """Dense step: ``(new param as a read-only numpy view, the same as an XLA array, new state)``.
 
         ``param`` and ``state`` may be numpy or XLA arrays; passing back the XLA
         arrays of the previous step saves copying them into XLA again (the
         state stays in XLA arrays: readers use ``np.asarray``, a free view on CPU).
+        ``donate``: ``param`` and ``state`` are XLA arrays nobody else uses (no
+        numpy view of them is alive either); the step updates them in place and
+        they are invalid afterwards.
         """
-        new_param, new_state = self._step(param, state, grad)
+        new_param, new_state = (self._step_donating if donate and _donatable(param, state) else self._step)(param, state, grad)
         return np.asarray(new_param), new_param, new_state
 
-    def apply_rows(self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, jax.Array, Any]:
+    def apply_rows(
+        self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray, donate: bool = False
+    ) -> tuple[np.ndarray, jax.Array, Any]:
         """Exact row update: the dense rule with zero gradient for the rows not in ``indices``.
 
         ``indices``: int64 row indices, rank 1 (a repeated index's rows add
         up); ``rows``: their gradient rows. The results are :meth:`apply`'s
         for the dense gradient that has ``rows`` added at ``indices`` and
         zeros elsewhere; only ``len(indices)`` rows enter XLA (padded to a
-        power of two: O(log n) compilations per shape).
+        power of two: O(log n) compilations per shape). ``donate``: as for :meth:`apply`.
         """
         n = len(indices)
         pad = _bucket(n) - n
         if pad:
             indices = np.concatenate([indices, np.zeros(pad, np.int64)])
             rows = np.concatenate([rows, np.zeros((pad,) + rows.shape[1:], rows.dtype)])
-        new_param, new_state = self._row_step(param, state, indices, rows)
+        fn = self._row_step_donating if donate and _donatable(param, state) else self._row_step
+        new_param, new_state = fn(param, state, indices, rows)
         return np.asarray(new_param), new_param, new_state
 
     def apply_sparse(

@@ -97,6 +97,9 @@ class VariableInfo:
     has_optimizer: bool
 
 
+#: Placeholder for a value handed to a donating optimizer step (never read: the step replaces it).
+_NO_VALUE = np.empty(0)
+
 _cast = jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1)
 
 
@@ -546,16 +549,30 @@ class VariableStore:
 
     def _apply_one(self, var: _Variable, upd: Update, idx: np.ndarray | None) -> None:
         op, value = upd.op, upd.value
-        if op is Op.APPLY_GRADIENT:
+        if op is Op.APPLY_GRADIENT or (op is Op.SPARSE_APPLY_GRADIENT and var.optimizer is not None and not var.optimizer.lazy):
+            # A dense step, or the exact mode (rows travelled, the dense rule runs here; duplicate
+            # ids add up inside it).
             assert var.optimizer is not None
+            donate = var.device_value is not None and not var.readers
             start = var.device_value if var.device_value is not None else var.value
-            var.value, var.device_value, var.opt_state = var.optimizer.apply(start, var.opt_state, value)
-            return
-        if op is Op.SPARSE_APPLY_GRADIENT and var.optimizer is not None and not var.optimizer.lazy:
-            # Exact mode: rows travelled, the dense rule runs here (duplicate ids add up inside it).
-            assert idx is not None
-            start = var.device_value if var.device_value is not None else var.value
-            var.value, var.device_value, var.opt_state = var.optimizer.apply_rows(start, var.opt_state, idx, value)
+            if donate:
+                # Nobody streams the current value (no open read snapshot; row reads copy under
+                # this lock, checkpoints and replica syncs hold it): the step may update the XLA
+                # buffers in place. Drop the store's own numpy view first: XLA does not reuse a
+                # buffer a live numpy view still points at (it would copy instead).
+                var.value, var.device_value = _NO_VALUE, None
+            try:
+                if op is Op.APPLY_GRADIENT:
+                    var.value, var.device_value, var.opt_state = var.optimizer.apply(start, var.opt_state, value, donate=donate)
+                else:
+                    assert idx is not None
+                    var.value, var.device_value, var.opt_state = var.optimizer.apply_rows(
+                        start, var.opt_state, idx, value, donate=donate)
+            except BaseException:
+                device: Any = start  # an XLA array whenever the step was to donate it
+                if var.value is _NO_VALUE and not device.is_deleted():
+                    var.value, var.device_value = np.asarray(device), device
+                raise
             return
         var.device_value = None
         # In place when nobody streams the current array (no open read snapshot), else a new

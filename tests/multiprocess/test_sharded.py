@@ -55,6 +55,11 @@ def test_tf_layout_names_and_placement(three_ps) -> None:  # type: ignore[no-unt
     np.testing.assert_array_equal(v[2:11:3], value[2:11:3])
     np.testing.assert_array_equal(v.sparse_read([[12, 0], [5, 5]]), value[[[12, 0], [5, 5]]])
     np.testing.assert_array_equal(jaxdist.embedding_lookup(v, np.array([7, 3])), value[[7, 3]])
+    np.testing.assert_array_equal(v.sparse_read([12, 11, 3, 0]), value[[12, 11, 3, 0]])  # every PS, out of order
+    assert v.sparse_read(np.zeros((0, 3), np.int64)).shape == (0, 3, 2)
+    for bad in ([13], [-1], [0, 13]):
+        with pytest.raises(IndexError, match=r"out of range \[0, 13\) for 'table'"):
+            v.sparse_read(bad)
     v.assign_add(np.ones((13, 2), np.float32))
     v.scatter_update([0, 12], np.zeros((2, 2), np.float32))
     v.scatter_add([3, 3], np.ones((2, 2), np.float32))
