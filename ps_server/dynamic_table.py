@@ -476,12 +476,16 @@ class DynamicTableShard:
         inserted = 0
         apply_idx: list[int] = []
         apply_slots: list[int] = []
+        # Initializer rows of every key this push inserts, in one vectorised call.
+        new_idx = np.flatnonzero(insert_apply | reach)
+        init = initial_rows(cfg, uhash[new_idx])
+        init_at = {int(i): j for j, i in enumerate(new_idx)}
         for i, k in enumerate(ukeys):
             if has_row[i]:
                 apply_idx.append(i)
                 apply_slots.append(self._slot[k])
             elif insert_apply[i]:
-                slot = self._insert(k, uhash[i], initial_rows(cfg, uhash[i : i + 1])[0])
+                slot = self._insert(k, uhash[i], init[init_at[i]])
                 inserted += 1
                 apply_idx.append(i)
                 apply_slots.append(slot)
@@ -489,7 +493,7 @@ class DynamicTableShard:
                 refused_rows += int(occ[i])
                 if reach[i]:
                     self._pending.pop(k, None)
-                    self._insert(k, uhash[i], initial_rows(cfg, uhash[i : i + 1])[0])
+                    self._insert(k, uhash[i], init[init_at[i]])
                     inserted += 1
                 elif by_p[i] and adm.min_count > 1:
                     self._pending[k] = self._pending.pop(k, 0) + int(occ[i])
