@@ -46,7 +46,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +55,13 @@ from jaxdist.base import errors as E
 from jaxdist.base.monitoring import MetricsExporter
 from jaxdist.cluster_coordinator import failure_handler as fh
 from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
-from jaxdist.cluster_coordinator.datasets import DataLedger, ExactlyOnceDataset, PerWorkerDataset, assign_ledger_positions
+from jaxdist.cluster_coordinator.datasets import (
+    DataLedger,
+    ExactlyOnceDataset,
+    PerWorkerDataset,
+    as_dataset_fn,
+    assign_ledger_positions,
+)
 from jaxdist.cluster_coordinator.dispatch import Dispatcher, DispatchSettings, WorkerHandle
 from jaxdist.cluster_coordinator.failure_handler import DEFAULT_FORGET_AFTER, DEFAULT_MAX_PROBE_RATE, FailureHandler, PSMode
 from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
@@ -827,7 +833,7 @@ class ClusterCoordinator:
 
     def create_per_worker_dataset(
         self,
-        dataset_fn: Callable[..., Any],
+        dataset_fn: Callable[..., Any] | Iterable[Any],
         *,
         exactly_once: bool = False,
         num_batches: int | None = None,
@@ -837,7 +843,10 @@ class ClusterCoordinator:
 
         ``dataset_fn`` takes an :class:`InputContext` (or no argument) and
         returns any iterable; ``jaxdist.current_worker_index()`` works inside
-        it. Datasets are rebuilt on a worker that restarts.
+        it. Datasets are rebuilt on a worker that restarts. As in TF, a
+        dataset object may be passed instead of the function: a re-iterable
+        one (a list, an array, a class with ``__iter__``), which each worker
+        gets a copy of; a one-shot iterator (a generator) raises TypeError.
 
         Returns once ``dataset_fn`` has run on one worker (the first to build
         it; the others build it meanwhile, and workers that join or restart
@@ -861,6 +870,7 @@ class ClusterCoordinator:
         exactly-once updates, every batch of every epoch is trained on exactly
         once, whatever workers die.
         """
+        dataset_fn = as_dataset_fn(dataset_fn)
         if exactly_once:
             if num_batches is None:
                 raise ValueError("exactly_once=True needs num_batches (the length of the data set in batches)")
