@@ -24,6 +24,7 @@ Batches travel to the worker as persistent ids of the argument protocol
 from __future__ import annotations
 
 import collections
+import collections.abc
 import inspect
 import threading
 from collections.abc import Callable
@@ -252,17 +253,15 @@ def as_dataset_fn(dataset: Any) -> Callable[..., Any]:
     dataset object; raises TypeError for anything else (a one-shot iterator included)."""
     if callable(dataset):
         return dataset  # type: ignore[no-any-return]
-    try:
-        it = iter(dataset)
-    except TypeError:
-        raise TypeError(
-            f"create_per_worker_dataset wants a dataset function (or a re-iterable dataset object), got "
-            f"{type(dataset).__name__}") from None
-    if it is dataset:
+    if isinstance(dataset, collections.abc.Iterator):
         raise TypeError(
             f"create_per_worker_dataset got a one-shot iterator ({type(dataset).__name__}): a worker that "
             "restarts builds its dataset again and needs a new pass; pass a function that makes it "
             "(lambda: ...) or a re-iterable object (a list, an array, a class with __iter__)")
+    if not isinstance(dataset, collections.abc.Iterable):  # (not iter(): a dataset may refuse the coordinator)
+        raise TypeError(
+            f"create_per_worker_dataset wants a dataset function (or a re-iterable dataset object), got "
+            f"{type(dataset).__name__}")
     return DatasetObject(dataset)
 
 
