@@ -252,7 +252,7 @@ def as_dataset_fn(dataset: Any) -> Callable[..., Any]:
     """``dataset`` itself when it is a function, else a :class:`DatasetObject` for a re-iterable
     dataset object; raises TypeError for anything else (a one-shot iterator included)."""
     if callable(dataset):
-        return dataset  # type: ignore[no-any-return]
+        return dataset
     if isinstance(dataset, collections.abc.Iterator):
         raise TypeError(
             f"create_per_worker_dataset got a one-shot iterator ({type(dataset).__name__}): a worker that "

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import gc
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -769,3 +770,292 @@ def test_resource_can_still_be_used_after_cancellation(env, iteration) -> None: 
         coord.join()
     coord.schedule(lambda iterator: next(iterator), args=(it,))
     coord.join()
+
+
+# ---------------------------------------------------------------------------- ShardedVariableTest
+def test_sharded_variable_embedding_lookup(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``ShardedVariableTest.testEmbeddingLookup`` (of this file: a partitioned variable looked up in
+    scheduled functions), its dense lookup; TF's sparse lookups take a ``tf.SparseTensor`` (see the
+    README). TF counts one ``ResourceGather`` per shard in the closure's graph; jaxdist's lookup pulls
+    only the rows asked for, from the shards that hold them."""
+    strategy, coord = env
+    sharded = jaxdist.ParameterServerStrategy(strategy.cluster_resolver, variable_partitioner=jaxdist.FixedShardsPartitioner(3))
+    try:
+        with sharded.scope():
+            sv = jaxdist.create_variable(np.arange(10, dtype=np.float32).reshape(5, 2) + 1, name="tf_embedding_lookup")
+        assert isinstance(sv, jaxdist.ShardedVariable) and len(sv.variables) == 3
+        result = coord.schedule(lambda: jaxdist.embedding_lookup(sv, np.array([0, 3, 4])))
+        np.testing.assert_array_equal(result.fetch(), [[1.0, 2.0], [7.0, 8.0], [9.0, 10.0]])
+    finally:
+        sharded.close()
+
+
+# ------------------------------------------------------------------------ StrategyIntegrationTest
+_USAGE_WARNING = "without using `ClusterCoordinator.schedule`"
+
+
+def test_run_not_used_with_cluster_coordinator_schedule(env, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testRunNotUsedWithClusterCoordinatorSchedule``: ``run`` on the
+    coordinator logs TF's usage warning, before and after a scheduled function that calls it (which
+    computes ``(x + v, x - v)`` per replica)."""
+    strategy, coord = env
+    with strategy.scope():
+        v = jaxdist.create_variable(np.int64(1), name="run_not_used_v")
+
+    def replica_fn(input_tensor: Any, v: Any) -> Any:  # v's value, read for each call (see test_run_and_reduce)
+        return input_tensor + v, input_tensor - v
+
+    def worker_fn(iterator: Any) -> Any:
+        return strategy.run(replica_fn, args=(next(iterator), v.read_value()))
+
+    per_worker_dataset = coord.create_per_worker_dataset(lambda: [np.int64(1), np.int64(2)])
+    for check in ("before", "after"):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            strategy.run(replica_fn, args=(np.int64(1), v.read_value()))
+        assert any(_USAGE_WARNING in r.getMessage() for r in caplog.records), check
+        if check == "before":
+            rv = coord.schedule(worker_fn, args=(iter(per_worker_dataset),))
+    n = len(strategy.experimental_local_results(strategy.run(lambda: 0)))
+    got = strategy.experimental_local_results(rv.fetch())
+    assert [tuple(int(a) for a in r) for r in got] == [(2, 0)] * n
+
+
+def test_basic_variable_assignment(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testBasicVariableAssignment``."""
+    strategy, coord = env
+    with strategy.scope():
+        v1 = jaxdist.create_variable(np.float32(0.0), name="basic_v1")
+        v2 = jaxdist.create_variable(np.float32(1.0), name="basic_v2")
+
+    def worker_fn() -> float:
+        v1.assign_add(np.float32(0.1))
+        v2.assign_sub(np.float32(0.2))
+        return float(v1.read_value() / v2.read_value())
+
+    assert abs(coord.fetch(coord.schedule(worker_fn)) - 0.1 / 0.8) < 1e-6
+    assert abs(float(v1.read_value()) - 0.1) < 1e-6
+    assert abs(float(v2.read_value()) - 0.8) < 1e-6
+
+
+def test_run_and_reduce(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testRunAndReduce``: cross-replica context in the scope, replica
+    context in ``replica_fn``; ``run`` + ``reduce("SUM")`` in a scheduled function, scheduled inside
+    and outside the scope. TF's ``replica_fn`` reads the PS variable ``v`` itself; a jaxdist trace would
+    compile that read in as a constant, so ``v``'s value is read in the scheduled function and passed
+    in (the literal form is refused: ``test_a_variable_read_inside_run_is_refused``)."""
+    strategy, coord = env
+    assert not jaxdist.in_cross_replica_context()
+    with strategy.scope():
+        assert jaxdist.in_cross_replica_context()
+        v = jaxdist.create_variable(np.float32(1.0), name="run_and_reduce_v")
+        n = strategy.num_replicas_in_sync
+        expected = (4.0 * n, 2.0 * n)
+
+        def worker_fn(input_tensor: Any) -> Any:
+            def replica_fn(x: Any, v: Any) -> Any:
+                assert not jaxdist.in_cross_replica_context()  # a replica context (at trace time)
+                return x + v, x - v
+
+            run_result = strategy.run(replica_fn, args=(input_tensor, v.read_value()))
+            reduced = strategy.reduce("SUM", run_result, axis=None)
+            assert tuple(float(r) for r in reduced) == expected  # TF: check_ops.assert_equal
+            return tuple(float(r) for r in reduced)
+
+        result = coord.schedule(worker_fn, args=(np.float32(3.0),))
+        assert isinstance(result, jaxdist.RemoteValue)
+        assert result.fetch() == expected
+    assert coord.schedule(worker_fn, args=(np.float32(3.0),)).fetch() == expected
+
+
+def test_a_variable_read_inside_run_is_refused(env) -> None:  # type: ignore[no-untyped-def]
+    """TF's ``testRunAndReduce`` written literally: ``replica_fn`` reads the PS variable ``v``. The trace
+    compiled the value read once in, so after ``v.assign(2.0)`` the same program still answered with
+    ``v == 1`` (found by this port: ``(4.0, 2.0)`` twice where TF gives ``(5.0, 1.0)`` the second time).
+    Reads and updates of PS variables inside compiled code now raise a ConfigurationError saying what
+    to write (TF's ``testRunAndReduceWithAssignAdd`` / ``testVariableAggregation`` update ``v`` inside
+    ``replica_fn``: refused the same way; their rewritten form is ``test_run_and_reduce_with_assign_add``)."""
+    strategy, coord = env
+    with strategy.scope():
+        v = jaxdist.create_variable(np.float32(1.0), name="read_inside_run_v")
+
+    def worker_fn(input_tensor: Any) -> Any:
+        def replica_fn(x: Any) -> Any:
+            return x + v, x - v
+
+        return strategy.reduce("SUM", strategy.run(replica_fn, args=(input_tensor,)), axis=None)
+
+    def assigning_fn(input_tensor: Any) -> Any:
+        def replica_fn(x: Any) -> Any:
+            v.assign_add(x)
+            return x
+
+        return strategy.run(replica_fn, args=(input_tensor,))
+
+    for fn in (worker_fn, assigning_fn):
+        rv = coord.schedule(fn, args=(np.float32(3.0),))
+        with pytest.raises(jaxdist.errors.ConfigurationError, match="inside compiled code.*read_value"):
+            coord.join()
+        with pytest.raises(jaxdist.errors.ConfigurationError):
+            rv.fetch()
+    assert float(v.numpy()) == 1.0  # nothing was pushed
+
+
+def test_run_and_reduce_with_assign_add(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testRunAndReduceWithAssignAdd`` and ``testVariableAggregation`` in
+    jaxdist's form: ``replica_fn`` returns its update, the scheduled function reduces it over the
+    replicas (TF's ``ONLY_FIRST_REPLICA`` / ``SUM`` aggregations) and applies it to the PS variable. Two
+    closures, so ``v1`` ends at 6 (TF: ``v1 == 6.0``)."""
+    strategy, coord = env
+    with strategy.scope():
+        v = jaxdist.create_variable(np.float32(1.0), name="assign_add_v")
+        v1 = jaxdist.create_variable(np.float32(0.0), name="assign_add_v1")
+        total = jaxdist.create_variable(np.float32(0.0), name="aggregation_v")
+    n = strategy.num_replicas_in_sync
+    expected = (4.0 * n, 2.0 * n)
+
+    def worker_fn(input_tensor: Any) -> Any:
+        def replica_fn(x: Any, v: Any) -> Any:
+            replica_id = jaxdist.get_replica_context().replica_id_in_sync_group
+            return (x + v, x - v), x, replica_id + 1.0
+
+        (run_result, delta, ids) = strategy.run(replica_fn, args=(input_tensor, v.read_value()))
+        v1.assign_add(np.float32(strategy.experimental_local_results(delta)[0]))  # ONLY_FIRST_REPLICA
+        total.assign(np.float32(strategy.reduce("SUM", ids, axis=None)))  # SUM of the replicas' assigns
+        return tuple(float(r) for r in strategy.reduce("SUM", run_result, axis=None))
+
+    assert coord.schedule(worker_fn, args=(np.float32(3.0),)).fetch() == expected
+    assert coord.schedule(worker_fn, args=(np.float32(3.0),)).fetch() == expected
+    assert float(v1.numpy()) == 6.0
+    assert float(total.numpy()) == sum(i + 1.0 for i in range(n))
+
+
+@pytest.mark.parametrize("from_function", [True, False], ids=["from_function", "from_dataset"])
+def test_distributed_dataset_inside_per_worker_dataset_fn(env, from_function: bool) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testDistributedDatasetInsidePerWorkerDatasetFn``."""
+    strategy, coord = env
+    batches = [np.arange(1, 11, dtype=np.float32)[i : i + 4] for i in range(0, 10, 4)]
+
+    def per_worker_dataset_fn() -> Any:
+        if from_function:
+            return strategy.distribute_datasets_from_function(lambda ctx: batches)
+        return strategy.experimental_distribute_dataset(batches)
+
+    def worker_fn(iterator: Any) -> Any:
+        return [np.asarray(r) for r in strategy.experimental_local_results(next(iterator))]
+
+    it = iter(coord.create_per_worker_dataset(per_worker_dataset_fn))
+    result = coord.schedule(worker_fn, args=(it,)).fetch()
+    n = len(result)
+    expected = np.split(np.arange(1.0, 5.0), n) if not from_function else [np.arange(1.0, 5.0)] * n
+    for got, want in zip(result, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("from_function", [True, False], ids=["from_function", "from_dataset"])
+def test_pass_distributed_dataset_to_create_per_worker_dataset(env, from_function: bool) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testPassDistributedDatasetToCreatePerWorkerDataset``: a
+    distributed dataset made on the coordinator, handed to ``create_per_worker_dataset``."""
+    strategy, coord = env
+    batches = [np.arange(1, 11, dtype=np.float32)[i : i + 4] for i in range(0, 10, 4)]
+    if from_function:
+        distributed = strategy.distribute_datasets_from_function(lambda ctx: batches)
+    else:
+        distributed = strategy.experimental_distribute_dataset(batches)
+
+    def worker_fn(iterator: Any) -> Any:
+        return [np.asarray(r) for r in strategy.experimental_local_results(next(iterator))]
+
+    it = iter(coord.create_per_worker_dataset(distributed))
+    result = coord.schedule(worker_fn, args=(it,)).fetch()
+    n = len(result)
+    expected = np.split(np.arange(1.0, 5.0), n) if not from_function else [np.arange(1.0, 5.0)] * n
+    for got, want in zip(result, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_distribute_datasets_from_function(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testDistributeDatasetsFromFunction``: the dataset function gets
+    an input context; each replica's first batch is ``[1 + i]``."""
+    strategy, coord = env
+
+    def per_worker_dataset_fn() -> Any:
+        def input_worker_device_fn(input_context: jaxdist.InputContext) -> Any:
+            assert input_context is not None
+            return [np.array([i], np.int64) for i in range(1, 11)]
+
+        return strategy.distribute_datasets_from_function(input_worker_device_fn)
+
+    def worker_fn(iterator: Any) -> Any:
+        return [np.asarray(r).tolist() for r in strategy.experimental_local_results(next(iterator))]
+
+    it = iter(coord.create_per_worker_dataset(per_worker_dataset_fn))
+    result = coord.schedule(worker_fn, args=(it,)).fetch()
+    assert result == [[1 + i] for i in range(len(result))]
+
+
+def test_async_schedule_with_distributed_dataset(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testAsyncScheduleWithDistributedDataset``."""
+    strategy, coord = env
+    with strategy.scope():
+        v = jaxdist.create_variable(np.zeros(1, np.float32), name="async_distributed_v")
+
+    def input_fn() -> Any:
+        def batches() -> Iterator[np.ndarray]:
+            while True:
+                yield np.full((strategy.num_replicas_in_sync,), 2.0, np.float32)
+
+        class Repeat:
+            def __iter__(self) -> Iterator[np.ndarray]:
+                return batches()
+
+        return strategy.experimental_distribute_dataset(Repeat())
+
+    def worker_fn(iterator: Any) -> None:
+        x = next(iterator)
+        v.assign_add(np.reshape(np.asarray(strategy.reduce("MEAN", x, axis=None)), (1,)))
+
+    iterator = iter(coord.create_per_worker_dataset(input_fn))
+    coord.join()  # joining without any scheduling does not hang
+    np.testing.assert_array_equal(v.read_value(), [0])
+    for _ in range(5):
+        coord.schedule(worker_fn, args=(iterator,))
+    coord.join()
+    np.testing.assert_array_equal(v.read_value(), [10])
+    for _ in range(5):
+        coord.schedule(worker_fn, args=(iterator,))
+    coord.join()
+    coord.join()
+    coord.join()
+    assert coord.done()
+    np.testing.assert_array_equal(v.read_value(), [20])
+
+
+def test_input_function_with_map_with_distributed_dataset(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testInputFunctionWithMapWithDistributedDataset`` (the map
+    function's trace count does not apply: see ``test_input_function_with_map``)."""
+    strategy, coord = env
+
+    def input_fn() -> Any:
+        n = strategy.num_replicas_in_sync
+        return strategy.experimental_distribute_dataset([np.arange(i, i + n, dtype=np.float32) + 10 for i in range(0, 10, n)])
+
+    def worker_fn(iterator: Any) -> Any:
+        return [np.asarray(r) for r in strategy.experimental_local_results(next(iterator))]
+
+    result = coord.schedule(worker_fn, args=(iter(coord.create_per_worker_dataset(input_fn)),)).fetch()
+    expected = np.split(np.arange(10.0, 10.0 + len(result)), len(result))
+    for got, want in zip(result, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_per_worker_dataset_build(env) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``StrategyIntegrationTest.testPerWorkerDatasetBuild``: the per-worker dataset itself (not an
+    iterator) as a scheduled function's argument; each worker's function gets its own dataset. (TF's
+    ``build()`` and type specs have no counterpart: the dataset is built on every worker when made.)"""
+    strategy, coord = env
+    dataset_vals = [1, 2]
+    per_worker_dataset = coord.create_per_worker_dataset(dataset_vals)
+    result = coord.schedule(lambda dataset: next(iter(dataset)), args=(per_worker_dataset.resource,))
+    coord.join()
+    assert result.fetch() == dataset_vals[0]
