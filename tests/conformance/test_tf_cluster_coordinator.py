@@ -315,12 +315,15 @@ def test_queue_put_get_with_tag() -> None:
 
 
 # --------------------------------------------------------------- the shared in-process cluster
-@pytest.fixture(scope="module")
-def env() -> Iterator[tuple[jaxdist.ParameterServerStrategy, jaxdist.ClusterCoordinator]]:
-    """TF's ``make_coordinator(num_workers=5, num_ps=2)``."""
+@pytest.fixture(scope="module", params=[None, 2], ids=["queue_default", "queue_2"])
+def env(request: pytest.FixtureRequest) -> Iterator[tuple[jaxdist.ParameterServerStrategy, jaxdist.ClusterCoordinator]]:
+    """TF's ``make_coordinator(num_workers=5, num_ps=2)``; every test using it also runs with at most 2
+    closures queued (TF's ``LimitedClosureQueueSizeBasicTest`` and ``LimitedClosureQueueErrorTest``
+    rerun its ``ClusterCoordinatorTest`` and ``ErrorReportingTest`` with ``_CLOSURE_QUEUE_MAX_SIZE = 2``,
+    to show that a full queue deadlocks nothing)."""
     with InProcessCluster(num_workers=NUM_WORKERS, num_ps=2) as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
-        coord = jaxdist.ClusterCoordinator(strategy)
+        coord = jaxdist.ClusterCoordinator(strategy, max_queued=request.param)
         poll_for(lambda: all(w["healthy"] for w in coord.status()), 60, what="every worker configured")
         yield strategy, coord
         coord.shutdown(exit_tasks=False)
@@ -360,10 +363,13 @@ def test_worker_index_dataset_fn(env) -> None:  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------------ ClusterCoordinatorTest
-def test_cluster_coordinator_only_init_once(env) -> None:  # type: ignore[no-untyped-def]
-    """Ports ``ClusterCoordinatorTest.testClusterCoordinatorOnlyInitOnce``."""
+def test_cluster_coordinator_only_init_once(env, request: pytest.FixtureRequest) -> None:  # type: ignore[no-untyped-def]
+    """Ports ``ClusterCoordinatorTest.testClusterCoordinatorOnlyInitOnce`` (with the settings the
+    coordinator was made with: jaxdist refuses others rather than ignore them)."""
     strategy, coord = env
-    assert jaxdist.ClusterCoordinator(strategy) is coord
+    limit = _queue_limit(request)
+    again = jaxdist.ClusterCoordinator(strategy) if limit is None else jaxdist.ClusterCoordinator(strategy, max_queued=limit)
+    assert again is coord
 
 
 def test_fn_return_nested_values(env) -> None:  # type: ignore[no-untyped-def]
@@ -605,8 +611,34 @@ def test_repeated_iterator_creation(env) -> None:  # type: ignore[no-untyped-def
             coord.schedule(worker_fn, args=(it1, it2))
         coord.join()
         assert result.fetch() >= 2
-    del it1, it2
-    gc.collect()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "defect found by this port, not fixed here: a per-worker iterator's resources are never freed. Every "
+    "iter(per_worker_dataset) builds an iterator on every worker that stays in the worker's resource table "
+    "(and in the coordinator's list of resources a restarted worker rebuilds) after its handle is gone; the "
+    "fix needs a release message to the workers (a protocol change)"))
+def test_repeated_iterator_creation_frees_iterators() -> None:
+    """The rest of ``ClusterCoordinatorTest.testRepeatedIteratorCreation``: after the iterators' handles
+    are gone, no iterator is left on the workers (TF checks its weak references to them)."""
+    with InProcessCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coord = jaxdist.ClusterCoordinator(strategy)
+        try:
+            ds = coord.create_per_worker_dataset(lambda: range(1, 100))
+            coord.join()
+            table = getattr(cluster.worker(0).servicer, "_resources")  # noqa: B009 - the worker's own table
+            before = len(table)  # the dataset itself
+            for _ in range(10):
+                it = iter(ds)
+                coord.schedule(lambda iterator: next(iterator), args=(it,))
+                coord.join()
+            del it
+            gc.collect()
+            poll_for(lambda: len(table) == before, 5, what="the dropped iterators freed on the worker")
+        finally:
+            coord.shutdown(exit_tasks=False)
+            strategy.close()
 
 
 # ---------------------------------------------------------------------------- ErrorReportingTest
@@ -616,6 +648,11 @@ def iteration(env) -> Any:  # type: ignore[no-untyped-def]
     strategy, coord = env
     with strategy.scope():
         return jaxdist.create_variable(np.zeros((), np.float32), name="iteration")
+
+
+def _queue_limit(request: pytest.FixtureRequest) -> int | None:
+    """The ``max_queued`` of the module's coordinator in this test (the ``env`` fixture's parameter)."""
+    return 2 if "queue_2" in request.node.name else None
 
 
 def _normal_function(iteration: Any) -> float:
@@ -720,7 +757,7 @@ def test_errored_input_not_used(env, iteration) -> None:  # type: ignore[no-unty
     assert isinstance(result.fetch(), float)
 
 
-def test_cancellation(env, iteration) -> None:  # type: ignore[no-untyped-def]
+def test_cancellation(env, iteration, request: pytest.FixtureRequest) -> None:  # type: ignore[no-untyped-def]
     """Ports ``ErrorReportingTest.testCancellation``: closures still queued when another fails are
     cancelled (``CancelledError``); scheduling works afterwards. TF's ``_long_function`` (10,000 matrix
     products) is a closure held on an event here, and the error function fails only once the long
@@ -728,6 +765,10 @@ def test_cancellation(env, iteration) -> None:  # type: ignore[no-untyped-def]
     cancels the long closure *running* then; jaxdist lets a running closure finish: its updates are
     applied whole or not at all, see docs/exactly-once.md.)"""
     strategy, coord = env
+    if _queue_limit(request) is not None:
+        pytest.skip("with 2 queued closures at most, scheduling 40 closures while every worker is held would block "
+                    "(TF's long function is not held); the limited queue's error path is covered by the other "
+                    "ErrorReportingTest ports")
     release, go_fail = gates.new_name("release"), gates.new_name("go_fail")
 
     def long_function() -> int:
