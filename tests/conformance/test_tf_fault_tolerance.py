@@ -331,3 +331,62 @@ def test_cluster_coordinator_destroyed() -> None:
         coord.shutdown(exit_tasks=False)
         strategy.close()
         poll_for(lambda: not any(t.is_alive() for t in dispatch), 30, what="the dispatch thread gone")
+
+
+class InvalidArgumentError(Exception):
+    """Stands for TF's ``errors.InvalidArgumentError`` (what its ``assert_non_positive`` raises)."""
+
+
+def test_one_worker_preemption_with_cancellation() -> None:
+    """Ports ``testOneWorkerPreemptionWithCancellation`` (multi worker): a long closure runs on one
+    worker while an error function fails on the other; then the long closure's worker is killed.
+    ``join`` raises the error, and the long closure is cancelled (TF: ``CancelledError``): jaxdist lets a
+    running closure finish, but one whose worker dies while an error is pending is not re-run. After
+    the restart, scheduling works again. TF's long function is 10,000 matrix products and its kill
+    comes after a sleep; here the long closure loops until its worker is killed, and each step waits
+    for the one before."""
+    with jaxdist.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coord = jaxdist.ClusterCoordinator(strategy, failure_timeout=2.0, closures_per_rpc=1)
+        with strategy.scope():
+            started = jaxdist.create_variable(np.zeros((), np.int64), name="long_started")
+            keep_going = jaxdist.create_variable(np.ones((), np.int64), name="long_keep_going")
+
+        def normal_function() -> float:
+            x = np.random.default_rng().uniform(size=(2, 10))
+            y = np.random.default_rng().uniform(size=(10, 2))
+            return float(np.mean(x @ y))
+
+        def error_function() -> None:
+            x = np.random.default_rng().uniform(size=(2, 10))
+            y = np.random.default_rng().uniform(size=(10, 2))
+            if np.sum(x @ y) > 0:  # TF: check_ops.assert_non_positive
+                raise InvalidArgumentError("assert_non_positive failed")
+
+        def long_function() -> int:
+            started.assign(np.asarray(jaxdist.current_worker_index() + 1, np.int64))
+            while int(keep_going.numpy()):
+                time.sleep(0.01)
+            return 1
+
+        try:
+            for _ in range(3):
+                coord.schedule(normal_function)
+            long_function_result = coord.schedule(long_function)
+            poll_for(lambda: int(started.numpy()) > 0, 60, what="the long closure to start")
+            victim = int(started.numpy()) - 1
+            failed = coord.schedule(error_function)  # runs on the other worker: the victim is busy
+            poll_for(failed.done, 60, what="the error function to fail")
+            _kill(cluster, coord, victim)
+            with pytest.raises(InvalidArgumentError):
+                coord.join()
+            with pytest.raises(jaxdist.CancelledError):
+                long_function_result.fetch()
+            keep_going.assign(np.zeros((), np.int64))
+            cluster.restart(f"worker:{victim}")
+            rvs = [coord.schedule(normal_function) for _ in range(3)]
+            coord.join()
+            assert all(isinstance(rv.fetch(), float) for rv in rvs)
+        finally:
+            coord.shutdown(exit_tasks=False)
+            strategy.close()
