@@ -851,7 +851,11 @@ class ClusterCoordinator:
         Workers that restart or join later build it too, before they run
         anything else. ``args`` may hold other per-worker values (each worker
         gets its own). Passed to a closure, the returned handle is the
-        resource of the worker running it.
+        resource of the worker running it. Once the handle (and whatever
+        holds it: an iterator of a per-worker dataset, a scheduled closure's
+        arguments) is collected, the workers free the resource at the
+        coordinator's next ``schedule``, ``join`` or new resource, and
+        restarted workers no longer build it (TF frees a dropped iterator).
         """
         return self._cluster.create_per_worker_resource(fn, args, _check_args(args))
 
