@@ -29,13 +29,24 @@ answers these methods with a ``MirroredStrategy`` over the worker's devices.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from jaxdist.base.input_context import InputContext
 
-__all__ = ["PSStrategyMethods", "PSWorkerStrategy", "RunHook", "local_strategy", "register_run_hook", "run_hooks"]
+__all__ = ["PSStrategyMethods", "PSWorkerStrategy", "RunHook", "WorkerDistributedDataset", "local_strategy",
+           "register_run_hook", "run_hooks"]
+
+logger = logging.getLogger(__name__)
+
+#: TF's usage warning for ``run``/``reduce`` called outside a scheduled function (its wording, kept so
+#: that TF users recognise it).
+_USAGE_WARNING = (
+    "A `ParameterServerStrategy` method (%s) is invoked without using `ClusterCoordinator.schedule`: it runs on "
+    "this process's devices (the coordinator's), which can be slow. To run on the workers, call methods like "
+    "`run` or `reduce` within a function passed to `ClusterCoordinator.schedule`.")
 
 _LOCAL: dict[str, Any] = {}
 _LOCAL_LOCK = threading.Lock()
@@ -142,6 +153,8 @@ class _Delegating:
         pushed to the parameter servers when the step is done (see :mod:`jaxdist.metrics`)."""
         from jaxdist.metrics import run_with_ps_metrics  # the public layer above; imported when first run
 
+        if _worker_context() is None:
+            logger.warning(_USAGE_WARNING, "run")
         hooks = run_hooks()
         if not hooks:
             return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
@@ -151,6 +164,8 @@ class _Delegating:
             return run_with_ps_metrics(self._local(), fn, args, kwargs, options)
 
     def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        if _worker_context() is None:
+            logger.warning(_USAGE_WARNING, "reduce")
         return self._local().reduce(reduce_op, value, axis)
 
     def gather(self, value: Any, axis: int) -> Any:
@@ -163,10 +178,17 @@ class _Delegating:
         return self._local().experimental_distribute_values_from_function(value_fn)
 
     def experimental_distribute_dataset(self, dataset: Any, options: Any = None, **kwargs: Any) -> Any:
+        """On a worker (inside the per-worker dataset function), the dataset split over its local
+        replicas; on the coordinator, a :class:`WorkerDistributedDataset` for ``create_per_worker_dataset``."""
+        if _worker_context() is None:
+            return WorkerDistributedDataset("experimental_distribute_dataset", dataset, options, kwargs)
         return self._local().experimental_distribute_dataset(dataset, options, **kwargs)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Any], options: Any = None, **kwargs: Any) -> Any:
-        """Use inside the per-worker dataset function (see the module docstring)."""
+        """Use inside the per-worker dataset function (see the module docstring); on the coordinator,
+        returns a :class:`WorkerDistributedDataset` for ``create_per_worker_dataset``."""
+        if _worker_context() is None:
+            return WorkerDistributedDataset("distribute_datasets_from_function", dataset_fn, options, kwargs)
         return self._local().distribute_datasets_from_function(dataset_fn, options, **kwargs)
 
     @property
@@ -245,6 +267,31 @@ class _PSExtended:
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         return tuple(f"/job:ps/task:{i}" for i in range(self._strategy.num_ps))
+
+
+class WorkerDistributedDataset:
+    """A distributed dataset made on the coordinator by a ``ParameterServerStrategy``: it is for the
+    workers. Hand it to ``ClusterCoordinator.create_per_worker_dataset`` (each worker then makes it
+    over its own devices); iterating it on the coordinator raises ValueError, as TF's does.
+    """
+
+    def __init__(self, method: str, source: Any, options: Any, kwargs: dict[str, Any]) -> None:
+        self._method = method
+        self._source = source
+        self._options = options
+        self._kwargs = kwargs
+
+    def __iter__(self) -> Any:
+        if _worker_context() is None:
+            raise ValueError(
+                f"a dataset made by ParameterServerStrategy.{self._method} on the coordinator cannot be iterated "
+                "there: pass it (or a function that makes it) to ClusterCoordinator.create_per_worker_dataset and "
+                "iterate the per-worker iterator in scheduled functions")
+        made = getattr(_local_strategy(), self._method)(self._source, self._options, **self._kwargs)
+        return iter(made)
+
+    def __repr__(self) -> str:
+        return f"<WorkerDistributedDataset from {self._method}>"
 
 
 class PSStrategyMethods(_Delegating):

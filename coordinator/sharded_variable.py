@@ -15,6 +15,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from jaxdist.partitioners import shard_offsets
@@ -30,9 +31,16 @@ class ShardedVariable(VariableOps):
     def __init__(self, name: str, variables: Sequence[Variable]) -> None:
         if not variables:
             raise ValueError("a ShardedVariable needs at least one shard")
+        if not all(isinstance(v, Variable) for v in variables):
+            kinds = sorted({type(v).__name__ for v in variables if not isinstance(v, Variable)})
+            raise ValueError(f"Expected a list of jaxdist Variables (the shards), got {', '.join(kinds)} among them")
         first = variables[0]
-        if any(v.dtype != first.dtype or v.shape[1:] != first.shape[1:] for v in variables):
-            raise ValueError("shards must share dtype and every dimension but the first")
+        if any(v.dtype != first.dtype for v in variables):
+            raise ValueError(f"shards must have the same dtype, got {sorted({str(v.dtype) for v in variables})}")
+        if any(v.shape[1:] != first.shape[1:] for v in variables):
+            raise ValueError(
+                f"shards must have the same shapes except in the first dimension (every dimension but the first), got "
+                f"{[tuple(v.shape) for v in variables]}")
         self.name = name
         self.variables = list(variables)
         self.dtype = first.dtype
@@ -95,19 +103,39 @@ class ShardedVariable(VariableOps):
         return self.sparse_read(ids)
 
     def __getitem__(self, key: Any) -> np.ndarray:
-        """Integer and slice indexing on dim 0 (then numpy indexing on the rest)."""
-        if isinstance(key, tuple):
-            first, rest = key[0], key[1:]
-        else:
-            first, rest = key, ()
-        if isinstance(first, (int, np.integer)):
-            i = int(first) + (self.shape[0] if first < 0 else 0)
-            row = self.sparse_read(np.array([i]))[0]
+        """numpy indexing of the whole value (TF's ``ShardedVariable.__getitem__``).
+
+        An int or a slice on dim 0 (then anything on the other dimensions) pulls only the rows it
+        selects; an Ellipsis, ``np.newaxis`` or a boolean mask first reads the whole value. Like TF,
+        array scalars (a ``jax.Array``, a numpy 0-d array) are not allowed as an index or slice bound:
+        write ``int(i)``.
+        """
+        parts = key if isinstance(key, tuple) else (key,)
+        for k in parts:
+            bounds = (k.start, k.stop, k.step) if isinstance(k, slice) else (k,)
+            if any(_array_scalar(b) for b in bounds):
+                raise TypeError(
+                    f"indexing a ShardedVariable with an array ({type(k).__name__}) is not allowed, as in TF; "
+                    "use Python ints (int(i))")
+        first, rest = parts[0], parts[1:]
+        if isinstance(first, (int, np.integer)) and not isinstance(first, bool):
+            n = self.shape[0]
+            if not -n <= int(first) < n:
+                raise IndexError(f"index {int(first)} is out of bounds for axis 0 with size {n} of {self.name!r}")
+            row = self.sparse_read(np.array([int(first) % n]))[0]
             return row[rest] if rest else row
         if isinstance(first, slice):
             rows = self.sparse_read(np.arange(self.shape[0])[first])
             return rows[(slice(None),) + rest] if rest else rows
-        raise TypeError(f"ShardedVariable supports int and slice indexing on dim 0, got {type(first).__name__}")
+        if first is Ellipsis or first is None or (isinstance(first, np.ndarray) and first.dtype == np.bool_):
+            return self.numpy()[key]
+        raise TypeError(
+            f"ShardedVariable supports int, slice, Ellipsis, np.newaxis and boolean-mask indexing, got {type(first).__name__}")
+
+
+def _array_scalar(x: Any) -> bool:
+    """Whether ``x`` is an array standing for a scalar (TF's tensor index, which it refuses)."""
+    return isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.ndim == 0)
 
 
 def embedding_lookup(table: ShardedVariable | Variable, ids: Any) -> np.ndarray:

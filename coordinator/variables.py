@@ -34,6 +34,7 @@ from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.ps_server.store import push_digest
+from jaxdist.sync import context as sync_context
 from jaxdist.worker import prefetch
 from jaxdist.worker.context import current_contributor, current_ps, current_sync_step, next_update_id, note_sync_step
 
@@ -59,7 +60,7 @@ _V = TypeVar("_V", bound="VariableOps")
 class VariableOps(abc.ABC):
     """Reads and updates shared by :class:`Variable` and ``ShardedVariable``.
 
-    Subclasses provide ``shape``, ``dtype``, ``numpy()`` (the full value) and
+    Subclasses provide ``name``, ``shape``, ``dtype``, ``numpy()`` (the full value) and
     :meth:`shards`; every update is cut into per-shard pushes through that one
     view (:func:`split_update`), so a plain and a sharded variable send the
     same bytes for the same update. Updates return the variable, like TF's
@@ -67,6 +68,7 @@ class VariableOps(abc.ABC):
     """
 
     __slots__ = ()
+    name: str
     shape: tuple[int, ...]
     dtype: np.dtype
 
@@ -104,6 +106,7 @@ class VariableOps(abc.ABC):
         return self.read_value()
 
     def _update(self: _V, op: Op, value: Any, indices: Any = None) -> _V:
+        refuse_in_compiled_code("updated", [self.name])  # before the value (a tracer there) is converted
         push_updates(split_update(self, op, value, indices))
         return self
 
@@ -250,6 +253,25 @@ def _pull_spec(var: Variable, dtype: np.dtype | None) -> PullSpec:
     return PullSpec(var.name, as_dtype=None if wanted == var.dtype else wanted)
 
 
+def refuse_in_compiled_code(what: str, names: Sequence[str]) -> None:
+    """Raise ConfigurationError when parameter-server variables are read or updated while compiled code
+    (``strategy.run``, ``jaxdist.function``) is being traced.
+
+    TF reads a variable each time its ``tf.function`` runs. A trace here would instead compile the
+    value read once in as a constant (every later call returning the stale value, silently), and an
+    update would be pushed once per trace, not once per call; so both are refused, saying what to write.
+    """
+    if sync_context.current_frame() is None or not names:
+        return
+    shown = ", ".join(repr(n) for n in sorted(set(names))[:3]) + (", ..." if len(set(names)) > 3 else "")
+    raise ConfigurationError(
+        f"parameter-server variable {shown} {what} inside compiled code (a function traced by strategy.run or "
+        "jaxdist.function): its value would be compiled in once as a constant (later calls would not see its "
+        "updates) and an update would be pushed once per trace, not per call. Read it in the scheduled function "
+        "and pass the value in, e.g. strategy.run(fn, args=(x, v.read_value())), and update it there from what "
+        "run returns (v.assign_add(strategy.reduce('SUM', delta, axis=None)))")
+
+
 def pull_specs(
     conns: PSConnections,
     by_ps: dict[int, list[PullSpec]],
@@ -263,6 +285,7 @@ def pull_specs(
     join is recorded (:func:`jaxdist.current_sync_step`). Every read of variables goes through
     here, whole or by rows, so no read inside a closure skips the barrier.
     """
+    refuse_in_compiled_code("read", [spec.name for specs in by_ps.values() for spec in specs])
     contributor = current_contributor()
     calls = {}
     for ps, specs in by_ps.items():
@@ -496,6 +519,7 @@ def push_updates(updates: Sequence[tuple[Variable, Any, Any, np.ndarray | None]]
     (the variable's, except bfloat16/float16 gradients of wider float
     variables, which the PS widens). ``op`` is an :class:`Op` (or its name).
     """
+    refuse_in_compiled_code("updated", [u[0].name for u in updates])
     by_ps: dict[int, list[Update]] = defaultdict(list)
     for var, op, value, idx in updates:
         op = Op(op)
@@ -547,6 +571,7 @@ def apply_gradients(variables: Any, grads: Any, transfer_dtype: Any = None) -> N
     ``v.apply_gradient``: both send the same bytes); casting inside the
     jitted gradient function is the cheapest way.
     """
+    refuse_in_compiled_code("updated", [v.name for v in _leaves(variables)[0] if isinstance(v, VariableOps)])
     td = None if transfer_dtype is None else np.dtype(transfer_dtype)
     if td is not None and td not in ps_wire.NARROW_FLOATS:
         raise ValueError(f"transfer_dtype must be bfloat16 or float16, got {td}")
@@ -584,6 +609,7 @@ def push_pull(variables: Any, grads: Any, transfer_dtype: Any = None, dtype: Any
         ConfigurationError: inside a closure while the PS runs synchronous or bounded-stale steps
             (gradients are staged there, not applied: use ``pull`` and ``apply_gradients``).
     """
+    refuse_in_compiled_code("updated", [v.name for v in _leaves(variables)[0] if isinstance(v, VariableOps)])
     started = time.monotonic()
     td = None if transfer_dtype is None else np.dtype(transfer_dtype)
     if td is not None and td not in ps_wire.NARROW_FLOATS:

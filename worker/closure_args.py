@@ -46,11 +46,13 @@ __all__ = [
     "LEDGER",
     "RESOURCE",
     "FailedResource",
+    "ReleasedResource",
     "LedgerBatches",
     "ResourceMissing",
     "WorkerResident",
     "batch_ref",
     "dumps",
+    "release_resource",
     "loads",
     "resource_ref",
 ]
@@ -108,6 +110,19 @@ class FailedResource:
 
     def __init__(self, error: PerWorkerInputError) -> None:
         self.error = error
+
+
+class ReleasedResource:
+    """What :func:`release_resource` returns: a per-worker resource closure whose value is this drops
+    the resource from the worker's table instead of storing it (its coordinator-side handle is gone)."""
+
+    __slots__ = ()
+
+
+def release_resource() -> ReleasedResource:
+    """Runs on a worker as the resource closure of a resource to free (the coordinator sends it when the
+    resource's last handle was collected, as TF frees a dropped per-worker iterator)."""
+    return ReleasedResource()
 
 
 class _ArgsPickler(pickling.Pickler):

@@ -221,7 +221,10 @@ class WorkerServicer:
                     # End of data is an ordinary closure error, typed like TF's.
                     raise OutOfRangeError(f"end of data on worker {self.task_index}") from stop
             if call.resource_id:
-                self._resources[call.resource_id] = value
+                if isinstance(value, closure_args.ReleasedResource):  # its last handle is gone: free it
+                    self._resources.pop(call.resource_id, None)
+                else:
+                    self._resources[call.resource_id] = value
             elif not call.discard_result and value is not None:
                 result.value = pickling.dumps(_to_host(value))
         except Exception as e:  # noqa: BLE001 - the user's exception goes back to the coordinator

@@ -38,6 +38,7 @@ datasets, the data ledger), :mod:`~jaxdist.cluster_coordinator.servicer`
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import itertools
@@ -46,7 +47,8 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -55,7 +57,13 @@ from jaxdist.base import errors as E
 from jaxdist.base.monitoring import MetricsExporter
 from jaxdist.cluster_coordinator import failure_handler as fh
 from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
-from jaxdist.cluster_coordinator.datasets import DataLedger, ExactlyOnceDataset, PerWorkerDataset, assign_ledger_positions
+from jaxdist.cluster_coordinator.datasets import (
+    DataLedger,
+    ExactlyOnceDataset,
+    PerWorkerDataset,
+    as_dataset_fn,
+    assign_ledger_positions,
+)
 from jaxdist.cluster_coordinator.dispatch import Dispatcher, DispatchSettings, WorkerHandle
 from jaxdist.cluster_coordinator.failure_handler import DEFAULT_FORGET_AFTER, DEFAULT_MAX_PROBE_RATE, FailureHandler, PSMode
 from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
@@ -65,6 +73,7 @@ from jaxdist.cluster_coordinator.servicer import SERVICE, CoordinatorServicer, c
 from jaxdist.cluster_coordinator.sync_barrier import StepBarrier, turn_off
 from jaxdist.proto import worker_pb2
 from jaxdist.transport.server import Server
+from jaxdist.worker.closure_args import release_resource
 
 if TYPE_CHECKING:
     from jaxdist.checkpoint import CheckpointManager
@@ -182,6 +191,9 @@ class Cluster:
         self._resource_lock = threading.Lock()
         self._resources: list[tuple[int, Callable[[int], Closure]]] = []
         self._resource_ids = itertools.count(1)
+        # Ids of resources whose last handle was collected (appended by weakref finalizers, which may
+        # run in any thread at any allocation, so they only append; release_dropped frees them).
+        self._dropped: collections.deque[int] = collections.deque()
         self._membership_lock = threading.Lock()
         self.dispatcher = Dispatcher(queue, self.failures, settings, self, self._credentials)
         self._workers: list[WorkerHandle] = [self._new_handle(i, a) for i, a in enumerate(addresses)]
@@ -358,13 +370,29 @@ class Cluster:
         def make(worker: int) -> Closure:
             return Closure(fn, args, resource_id=rid, per_worker=has_pw, on_settled=builds.settled)
 
+        self.release_dropped()
         with self._resource_lock:
             self._resources.append((rid, make))
             for w in list(self._workers):
                 if self.failures.is_healthy(w.index):
                     self.queue.put_tagged(w.index, make(w.index))
                 # Workers not configured yet get every resource when they are (worker_configured).
-        return PerWorkerResourceValues(rid, builds)
+        values = PerWorkerResourceValues(rid, builds)
+        weakref.finalize(values, self._dropped.append, rid)
+        return values
+
+    def release_dropped(self) -> None:
+        """Free the per-worker resources whose last handle was collected (a dropped per-worker iterator,
+        as TF frees it): restarted workers no longer rebuild them, and every healthy worker is sent a
+        release closure that drops its copy. Called at the coordinator's next schedule, join or new
+        resource (never from the finalizer itself, which may run while a lock is held)."""
+        while self._dropped:
+            rid = self._dropped.popleft()
+            with self._resource_lock:
+                self._resources = [(r, make) for r, make in self._resources if r != rid]
+                for w in list(self._workers):
+                    if self.failures.is_healthy(w.index):
+                        self.queue.put_tagged(w.index, Closure(release_resource, resource_id=rid))
 
     def first_build(self, values: PerWorkerResourceValues) -> BaseException | None:
         """Wait for the first build of resource ``values`` on any worker to end; its error, or None.
@@ -750,6 +778,7 @@ class ClusterCoordinator:
         args = tuple(args or ())
         kwargs = dict(kwargs or {})
         has_pw = _check_args((args, kwargs)) if args or kwargs else False
+        self._cluster.release_dropped()
         self._queue.raise_if_error()
         closure = Closure(fn, args, kwargs, per_worker=has_pw)
         if has_pw:
@@ -765,6 +794,7 @@ class ClusterCoordinator:
             nothing is still running and queued closures were cancelled.
             TimeoutError: ``timeout`` passed first (nothing is cancelled).
         """
+        self._cluster.release_dropped()
         if not self._queue.wait(timeout):
             raise TimeoutError(f"join() timed out after {timeout}s with {self._queue.queued} closures queued and {self._queue.inflight} running")
         steps = self._cluster.steps
@@ -821,13 +851,17 @@ class ClusterCoordinator:
         Workers that restart or join later build it too, before they run
         anything else. ``args`` may hold other per-worker values (each worker
         gets its own). Passed to a closure, the returned handle is the
-        resource of the worker running it.
+        resource of the worker running it. Once the handle (and whatever
+        holds it: an iterator of a per-worker dataset, a scheduled closure's
+        arguments) is collected, the workers free the resource at the
+        coordinator's next ``schedule``, ``join`` or new resource, and
+        restarted workers no longer build it (TF frees a dropped iterator).
         """
         return self._cluster.create_per_worker_resource(fn, args, _check_args(args))
 
     def create_per_worker_dataset(
         self,
-        dataset_fn: Callable[..., Any],
+        dataset_fn: Callable[..., Any] | Iterable[Any],
         *,
         exactly_once: bool = False,
         num_batches: int | None = None,
@@ -837,7 +871,10 @@ class ClusterCoordinator:
 
         ``dataset_fn`` takes an :class:`InputContext` (or no argument) and
         returns any iterable; ``jaxdist.current_worker_index()`` works inside
-        it. Datasets are rebuilt on a worker that restarts.
+        it. Datasets are rebuilt on a worker that restarts. As in TF, a
+        dataset object may be passed instead of the function: a re-iterable
+        one (a list, an array, a class with ``__iter__``), which each worker
+        gets a copy of; a one-shot iterator (a generator) raises TypeError.
 
         Returns once ``dataset_fn`` has run on one worker (the first to build
         it; the others build it meanwhile, and workers that join or restart
@@ -861,6 +898,7 @@ class ClusterCoordinator:
         exactly-once updates, every batch of every epoch is trained on exactly
         once, whatever workers die.
         """
+        dataset_fn = as_dataset_fn(dataset_fn)
         if exactly_once:
             if num_batches is None:
                 raise ValueError("exactly_once=True needs num_batches (the length of the data set in batches)")

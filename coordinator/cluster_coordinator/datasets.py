@@ -24,6 +24,7 @@ Batches travel to the worker as persistent ids of the argument protocol
 from __future__ import annotations
 
 import collections
+import collections.abc
 import inspect
 import threading
 from collections.abc import Callable
@@ -226,6 +227,42 @@ def assign_ledger_positions(closure: Closure) -> None:
 
         closure.on_done = on_done
         closure.on_cancel = on_cancel
+
+
+class DatasetObject:
+    """A dataset *object* given to ``create_per_worker_dataset`` instead of a function (TF accepts a
+    ``tf.data.Dataset`` there): every worker gets a copy (pickled with the closure) and iterates its own.
+
+    Only a re-iterable object qualifies (a list, an array, a class with ``__iter__``): a worker that
+    restarts or joins builds the dataset again and must start a new pass, which a one-shot iterator
+    (a generator, ``map(...)``, ``iter(x)``) cannot give.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self) -> Any:
+        return self.dataset
+
+    def __repr__(self) -> str:
+        return f"DatasetObject({type(self.dataset).__name__})"
+
+
+def as_dataset_fn(dataset: Any) -> Callable[..., Any]:
+    """``dataset`` itself when it is a function, else a :class:`DatasetObject` for a re-iterable
+    dataset object; raises TypeError for anything else (a one-shot iterator included)."""
+    if callable(dataset):
+        return dataset
+    if isinstance(dataset, collections.abc.Iterator):
+        raise TypeError(
+            f"create_per_worker_dataset got a one-shot iterator ({type(dataset).__name__}): a worker that "
+            "restarts builds its dataset again and needs a new pass; pass a function that makes it "
+            "(lambda: ...) or a re-iterable object (a list, an array, a class with __iter__)")
+    if not isinstance(dataset, collections.abc.Iterable):  # (not iter(): a dataset may refuse the coordinator)
+        raise TypeError(
+            f"create_per_worker_dataset wants a dataset function (or a re-iterable dataset object), got "
+            f"{type(dataset).__name__}")
+    return DatasetObject(dataset)
 
 
 def _call_dataset_fn(dataset_fn: Callable[..., Any]) -> Any:
