@@ -18,11 +18,13 @@ on a worker that cannot carry an identity is refused
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import operator
 import re
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, TypeVar
 
 import jax
@@ -253,6 +255,26 @@ def _pull_spec(var: Variable, dtype: np.dtype | None) -> PullSpec:
     return PullSpec(var.name, as_dtype=None if wanted == var.dtype else wanted)
 
 
+#: Set while a run hook pulls its run's inputs (:func:`pulls_for_run`).
+_PULLS_FOR_RUN: contextvars.ContextVar[bool] = contextvars.ContextVar("jaxdist_pulls_for_run", default=False)
+
+
+@contextlib.contextmanager
+def pulls_for_run() -> Iterator[None]:
+    """Within this block, reads of parameter-server variables during a trace are allowed.
+
+    For a ``ParameterServerStrategy.run`` hook (``jaxdist.ps_methods.register_run_hook``) that pulls what
+    its run reads and gives the value to the compiled step as an input, read again each call (the Keras
+    custom loop's model variables): that read is neither compiled in as a constant nor repeated per trace,
+    which is what :func:`refuse_in_compiled_code` guards against. Updates stay refused.
+    """
+    token = _PULLS_FOR_RUN.set(True)
+    try:
+        yield
+    finally:
+        _PULLS_FOR_RUN.reset(token)
+
+
 def refuse_in_compiled_code(what: str, names: Sequence[str]) -> None:
     """Raise ConfigurationError when parameter-server variables are read or updated while compiled code
     (``strategy.run``, ``jaxdist.function``) is being traced.
@@ -262,6 +284,8 @@ def refuse_in_compiled_code(what: str, names: Sequence[str]) -> None:
     update would be pushed once per trace, not once per call; so both are refused, saying what to write.
     """
     if sync_context.current_frame() is None or not names:
+        return
+    if what == "read" and _PULLS_FOR_RUN.get():
         return
     shown = ", ".join(repr(n) for n in sorted(set(names))[:3]) + (", ..." if len(set(names)) > 3 else "")
     raise ConfigurationError(

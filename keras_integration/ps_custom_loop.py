@@ -85,7 +85,7 @@ from jaxdist.proto.ps_wire import Op
 from jaxdist.ps_methods import local_strategy, register_run_hook
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSynchronization
-from jaxdist.variables import gradient_updates, pull, push_updates, split_update
+from jaxdist.variables import gradient_updates, pull, pulls_for_run, push_updates, split_update
 
 logger = logging.getLogger(__name__)
 
@@ -384,7 +384,8 @@ class _Session:
             return b.init
         values = self.pulled.get(id(b.group))
         if values is None:
-            values = self.pulled[id(b.group)] = b.group.pull()
+            with pulls_for_run():  # an input of the compiled step, read each call: not a constant of the trace
+                values = self.pulled[id(b.group)] = b.group.pull()
         return values[b.index]
 
     def finish(self) -> None:
