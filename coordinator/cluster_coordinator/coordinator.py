@@ -421,7 +421,7 @@ class Cluster:
                 q.mark_finished(finished)
                 finished = 0
             if type(d) is fh.Fail:
-                d.closure.fail(d.error)
+                d.closure.fail(d.error, pushed=d.pushed)
                 q.mark_failed(d.error)
             elif type(d) is fh.InputFailed:
                 d.closure.fail(d.error)

@@ -168,10 +168,12 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """The closure failed for good with ``error`` (recorded; queued closures are cancelled)."""
+    """The closure failed for good with ``error`` (recorded; queued closures are cancelled).
+    ``pushed``: this attempt made a push that may have been applied (its batches are consumed)."""
 
     closure: Closure
     error: BaseException
+    pushed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +300,7 @@ class ClosureReport:
     outcome: Outcome
     payload: bytes = b""
     error: BaseException | None = None
+    pushed: bool = False  # ERROR: the closure made a push before it failed
 
 
 # ------------------------------------------------------------------- liveness
@@ -635,7 +638,7 @@ class FailureHandler:
                     elif r.closure.resource_id:
                         out.append(InputFailed(r.closure, err))
                     else:
-                        out.append(Fail(r.closure, err))
+                        out.append(Fail(r.closure, err, pushed=r.pushed))
                 elif r.outcome is Outcome.FUNCTION_UNKNOWN:
                     out.append(ForgetFunction(index, r.closure.function.digest))
                     out.append(ReturnUnrun(r.closure))
@@ -660,8 +663,8 @@ class FailureHandler:
 
     def dispatch_crashed(self, batch: Sequence[Closure], error: BaseException) -> list[Decision]:
         """Sending ``batch`` failed unexpectedly (a bug): its unsettled closures fail with ``error``,
-        so ``join`` raises instead of hanging."""
-        return [Fail(c, error) for c in batch if not c.remote_value.done()]
+        so ``join`` raises instead of hanging. They may have been sent and run: their pushes may be applied."""
+        return [Fail(c, error, pushed=True) for c in batch if not c.remote_value.done()]
 
     def _declare_dead(self, w: _Worker, why: str) -> list[Decision]:
         if w.healthy:
