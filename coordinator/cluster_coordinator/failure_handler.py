@@ -675,10 +675,11 @@ class FailureHandler:
 
     # ---------------------------------------------------------------- PS events
     def _ps_recoverable(self, err: BaseException) -> bool:
-        if self._ps_mode is PSMode.REPLICATION:
-            return isinstance(err, E.PSUnavailableError)  # the watcher fails the shard over; then run again
-        if self._ps_mode is PSMode.CHECKPOINT:
-            # Unreachable, or restarted empty (a PS no longer knows the variable): restore, then run again.
+        # Unreachable, or restarted empty (a PS no longer knows the variable). Checkpoint mode restores
+        # it, then runs the closure again. Replication mode fails the shard over; a killed primary that
+        # restarts at its address before the workers learnt of the failover answers there as a primary
+        # with nothing in it (found by the nemesis soak, seed 97854616): the re-run goes to the new one.
+        if self._ps_mode in (PSMode.REPLICATION, PSMode.CHECKPOINT):
             return isinstance(err, E.PSUnavailableError) or (
                 isinstance(err, E.VariableNotFoundError) and _role_of(getattr(err, "task", "")) == "ps"
             )
