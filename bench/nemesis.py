@@ -762,7 +762,6 @@ class Soak:
         kind, hold = item["kind"], item["hold"]
         units = self.units_of(item)
         overlap = self.claim(units)
-        released = False
         try:
             job = self.job
             assert job is not None
@@ -800,9 +799,10 @@ class Soak:
             # what it touched is healthy and the job trained more closures than when it was lifted.
             finished_at_heal = job.status["finished"] if (job.status and kind != "coordinator_kill") else 0
             if kind.startswith("coordinator"):
-                self.release(units)  # other faults may start on the job while it recovers
-                released = True
-                units = set()
+                # Faults on the tasks may start on the job while it recovers; another coordinator fault
+                # (or a link fault of the coordinator) waits: it would end the run this one measures.
+                self.release(units - {"coordinator"})
+                units = {"coordinator"}
 
                 def recovered(s: dict[str, Any]) -> bool:
                     with self.busy_cv:
@@ -819,6 +819,10 @@ class Soak:
                 if got is None:
                     if job.trained is not None and job.status is not None and healthy(job.status):
                         rec["recovery_s"] = None  # training ended meanwhile: nothing left to make progress on
+                    elif not job.alive():
+                        self.violations.append(f"job run {job.run} exited while recovering from {kind} of {target}; "
+                                               f"log:\n{job.tail()}")
+                        rec["recovery_s"] = None
                     else:
                         self.violations.append(f"no recovery within {self.args.recovery_timeout:.0f} s after {kind} of "
                                                f"{target} (last status {job.status})")
@@ -830,8 +834,7 @@ class Soak:
             rec["run"] = job.run
             return rec
         finally:
-            if not released:
-                self.release(units)
+            self.release(units)
 
     # ------------------------------------------------------------------ the soak
     def _lane(self, plan: Any) -> None:
