@@ -421,6 +421,9 @@ class FailureHandler:
         self._ps_timeout = 300.0
         self._failover_after = 1.5
         self._restarted: set[int] = set()  # PS tasks seen restarted, not restored yet (checkpoint mode)
+        # Replication: shards whose primary answered as a new process (restarted, empty) and whose
+        # backup is not promoted yet: never attach the backup to it (its full sync would empty it).
+        self._lost_primary: set[int] = set()
         self._held = False
 
     # ------------------------------------------------------------ configuration
@@ -693,7 +696,8 @@ class FailureHandler:
         return [HoldDispatch(task)]
 
     def _release_if_settled(self) -> list[Decision]:
-        if self._held and not self._restarted and all(p.down_since is None for p in self._ps.values()):
+        if (self._held and not self._restarted and not self._lost_primary
+                and all(p.down_since is None for p in self._ps.values())):
             self._held = False
             return [ReleaseDispatch()]
         return []
@@ -714,8 +718,20 @@ class FailureHandler:
                 if p.is_restart(incarnation):
                     self._restarted.add(shard)
                 p.incarnation = incarnation or p.incarnation
-            elif self._ps_mode is PSMode.REPLICATION and not has_backup:
-                return [AttachBackup(shard)]
+            elif self._ps_mode is PSMode.REPLICATION:
+                if shard in self._lost_primary or p.is_restart(incarnation):
+                    # The primary restarted before it was seen silent for failover_after: it answers
+                    # empty. The backup holds the shard: promote it (the restarted task is attached
+                    # to it afterwards as the backup). Attaching the backup to the restarted primary
+                    # would copy its emptiness over the backup (found by the nemesis soak).
+                    if shard not in self._lost_primary:
+                        logger.warning("ps:%d: the primary restarted (it lost the shard): failing over to its backup", shard)
+                    self._lost_primary.add(shard)
+                    p.incarnation = incarnation or p.incarnation
+                    return self._suspect_ps(f"ps:{shard}") + [FailOver(shard)]
+                p.incarnation = incarnation or p.incarnation
+                if not has_backup:
+                    return [AttachBackup(shard)]
             return []
 
     def ps_missed(self, shard: int) -> list[Decision]:
@@ -765,7 +781,10 @@ class FailureHandler:
     def ps_failed_over(self, shard: int) -> list[Decision]:
         """Shard ``shard``'s backup was promoted: it answers again, and the workers must learn it."""
         with self._lock:
-            self._shard(shard).answered(self._clock())
+            p = self._shard(shard)
+            p.answered(self._clock())
+            p.incarnation = ""  # the promoted backup's process is adopted at its next answer
+            self._lost_primary.discard(shard)
             return [ReconfigureWorkers()]
 
     def ps_failover_failed(self, shard: int, error: BaseException) -> list[Decision]:

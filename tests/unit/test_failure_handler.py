@@ -399,6 +399,24 @@ def test_replication_attaches_a_missing_backup() -> None:
     assert h.ps_answered(1, has_backup=True) == []
 
 
+def test_replication_fails_over_a_primary_that_restarted_before_it_was_seen_silent() -> None:
+    """A primary killed and restarted at its address within ``failover_after`` answers as a new process,
+    empty, without its backup. Attaching the backup to it (a full sync of nothing) wiped the shard on
+    both processes (the nemesis soak, seed 263643654): the backup is promoted instead, and only the
+    restarted task is attached afterwards, as the new backup."""
+    h, _ = handler(mode=PSMode.REPLICATION, failover_after=1.5)
+    assert h.ps_answered(0, "p0", has_backup=True) == []
+    assert h.ps_answered(0, "p0-restarted", has_backup=False) == [fh.HoldDispatch("ps:0"), fh.FailOver(0)]
+    assert h.ps_answered(0, "p0-restarted", has_backup=False) == [fh.FailOver(0)]  # until the promotion: never attach
+    assert h.ps_pass_done() == []  # held
+    assert h.ps_failover_failed(0, E.PSUnavailableError("backup busy")) == []
+    assert h.ps_answered(0, "p0-restarted", has_backup=False) == [fh.FailOver(0)]  # tried again
+    assert h.ps_failed_over(0) == [fh.ReconfigureWorkers()]
+    assert h.ps_answered(0, "b0", has_backup=False) == [fh.AttachBackup(0)]  # the promoted backup, alone
+    assert h.ps_pass_done() == [fh.ReleaseDispatch()]
+    assert h.ps_answered(0, "b0", has_backup=True) == []
+
+
 def test_replication_ignores_incarnations() -> None:
     h, _ = handler(mode=PSMode.REPLICATION)
     h.ps_answered(0, "a")
