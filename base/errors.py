@@ -36,6 +36,7 @@ __all__ = [
     "WorkerRestartedError",
     "UnidentifiedPushError",
     "UpdateMismatchError",
+    "StaleRunError",
     "StepMembershipError",
     "StepBarrierTimeoutError",
 ]
@@ -290,6 +291,18 @@ class UpdateMismatchError(JaxdistError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "UPDATE_MISMATCH"
+
+
+class StaleRunError(JaxdistError):
+    """A push from a closure of an earlier coordinator run, refused by a PS that a newer run began on.
+
+    Workers can outlive their coordinator (its script killed and run again, resuming from a
+    checkpoint): a closure of the old run still running there must not change the variables the new
+    run restored. Every coordinator begins its run on each PS task, and the PS refuses pushes whose
+    identity names another run; nothing is changed. Not retried: the closure's run is over."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "STALE_RUN"
 
 
 class StepMembershipError(JaxdistError):

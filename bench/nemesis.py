@@ -11,9 +11,12 @@ epoch and starts with ``restore_or_initialize()``. Each closure ``c`` that reads
 * adds 1 to every element of ``payload`` (128 KiB: a push that a rate-limited link slows down, and that
   goes through a shared-memory region where the data plane has one).
 
-The driver (the default mode) builds the namespaces, runs the job, and injects one fault at a time
-from a schedule drawn from ``random.Random(seed)``: the kinds in a shuffled order, round after round,
-each with a random target and duration:
+The driver (the default mode) builds the namespaces, runs the job, and injects faults from a schedule
+drawn from ``random.Random(seed)``: the kinds in a shuffled order, round after round, each with a random
+target and duration. ``--lanes`` faults (default 3) are in progress at once, each on a unit no other holds
+(a worker; a shard, its primary and backup together; the coordinator): a host frozen while a link drops
+and a PS primary is killed. A coordinator fault waits for the others and holds the whole job until its
+re-run answers; other faults overlap its recovery:
 
 =================== ===========================================================================
 ``worker_kill``     SIGKILL a worker, restart it after a while
@@ -29,10 +32,11 @@ each with a random target and duration:
 ``slow_link``       rate-limit a task's link both ways with ``tc tbf``
 =================== ===========================================================================
 
-After each fault is lifted the driver waits (generously, for a condition, never for a time) until
-the job has recovered: every worker healthy, every shard's primary answering with its backup
-attached, and more closures finished than when the fault was lifted; that wait is the fault's
-recovery time. When the time is up the job finishes its epoch, and the driver checks invariants that
+After each fault is lifted its lane waits (generously, for a condition, never for a time) until
+the job has recovered from it: what it touched healthy again (the worker; the shard's primary
+answering with its backup attached; after a coordinator fault, every unit no other fault holds) and
+more closures finished than when it was lifted; that wait is the fault's recovery time, and the unit
+stays held until then. When the time is up the job finishes its epoch, and the driver checks invariants that
 cannot be faked:
 
 * every batch of every epoch trained exactly once (``seen == epochs`` and ``idsum`` exact per batch);
@@ -81,6 +85,9 @@ NODES: dict[str, tuple[str, int]] = {"coordinator": ("co", 10)}
 NODES.update({f"ps:{i}": (f"ps{i}", 2 + i) for i in range(NUM_PS)})
 NODES.update({f"ps_backup:{i}": (f"pb{i}", 4 + i) for i in range(NUM_PS)})
 NODES.update({f"worker:{i}": (f"w{i}", 6 + i) for i in range(NUM_WORKERS)})
+
+#: What faults put at risk: a worker, a shard (its primary and backup together), the coordinator.
+ALL_UNITS = ("coordinator", *(f"worker:{i}" for i in range(NUM_WORKERS)), *(f"shard:{i}" for i in range(NUM_PS)))
 
 BOGUS_MAC = "02:00:00:00:00:01"  # a neighbour entry pointing here drops a peer's packets silently
 
@@ -516,7 +523,6 @@ class Soak:
         self.pids_seen: dict[int, str] = {}
         self.shm_seen: set[str] = set()
         self.last_saved = 0
-        self.relaunched_at = 0.0
         self.save_retries = 0
         self.run = 0
         self.job: Job | None = None
@@ -532,6 +538,13 @@ class Soak:
         self.busy: set[str] = set()
         self.busy_cv = threading.Condition()
         self.chaos_skipped = 0
+        self.measuring = 0  # recoveries being measured (the chaos waits while any is)
+        # Units (ALL_UNITS) that faults in progress hold, from their injection to their recovery.
+        self.claims: set[str] = set()
+        self.whole_waiting = 0  # coordinator faults waiting for every other fault to end
+        self.plan_lock = threading.Lock()
+        self.planned = 0
+        self.stopping = False
         self.out = open(args.out, "a") if args.out else None
 
     def log(self, obj: dict[str, Any]) -> None:
@@ -613,22 +626,97 @@ class Soak:
                 self.violations.append(f"background chaos: {e}")
 
     def pause_chaos(self) -> None:
-        self.chaos_paused.set()
+        """A recovery is being measured: the background chaos waits (its cycle in flight, if any, ends first)."""
+        with self.busy_cv:
+            self.measuring += 1
+            self.chaos_paused.set()
         with self.chaos_cycle:  # the cycle in flight (if any) has restarted its worker
             pass
 
+    def resume_chaos(self) -> None:
+        with self.busy_cv:
+            self.measuring -= 1
+            if not self.measuring:
+                self.chaos_paused.clear()
+
     # ------------------------------------------------------------------ faults
-    def schedule(self) -> Any:
-        """The fault schedule: the kinds in a seeded shuffled order, round after round."""
+    def plan(self) -> Any:
+        """The fault schedule: the kinds in a seeded shuffled order, round after round, each with its
+        choices (target, length, the gap before it) drawn from the seed in the same order, whichever
+        lane injects it."""
+        rng = self.rng
         while True:
             order = list(self.kinds)
-            self.rng.shuffle(order)
-            yield from order
+            rng.shuffle(order)
+            for kind in order:
+                # Downtimes on both sides of the failure timeout (3 s) and of the PS failover delay (1.5 s).
+                item: dict[str, Any] = {"kind": kind, "gap": rng.uniform(*self.args.interval),
+                                        "hold": rng.uniform(0.5, 3.0) if kind.endswith("_kill") else rng.uniform(0.5, 8.0)}
+                if kind in ("worker_kill", "worker_stop"):
+                    item["target"] = f"worker:{rng.randrange(NUM_WORKERS)}"
+                elif kind.startswith("ps_"):
+                    item["shard"] = rng.randrange(NUM_PS)
+                elif kind.startswith("coordinator"):
+                    item["target"] = "coordinator"
+                elif kind == "partition":
+                    a, b = rng.sample(sorted(NODES), 2)
+                    item["target"] = f"{a}|{b}"
+                    item["hold"] = rng.uniform(2.0, 8.0)
+                else:
+                    item["target"] = rng.choice(sorted(NODES))
+                    item["rate"] = rng.choice(["1mbit", "2mbit", "4mbit"])
+                    item["hold"] = rng.uniform(2.0, 8.0)
+                yield item
 
-    def _act(self, kind: str, target: str, rec: dict[str, Any], hold: float, job: Job, st: dict[str, Any]) -> float:
-        """Inject ``kind`` on ``target`` for ``hold`` seconds and lift it; returns when it was injected."""
+    @staticmethod
+    def unit(node: str) -> str:
+        """What a fault on ``node`` puts at risk: its worker, its shard (primary and backup together), or
+        the coordinator. Two faults overlap only on different units."""
+        role, _, index = node.partition(":")
+        return f"shard:{index}" if role in ("ps", "ps_backup") else node
+
+    def units_of(self, item: dict[str, Any]) -> set[str]:
+        if item["kind"].startswith("coordinator"):
+            return set(ALL_UNITS)  # the whole job: no other fault overlaps a coordinator fault's injection
+        if "shard" in item:
+            return {f"shard:{item['shard']}"}
+        return {self.unit(n) for n in item["target"].split("|")}
+
+    def claim(self, units: set[str]) -> int:
+        """Wait until no other fault holds any of ``units``, then hold them; returns how many other units
+        were held by faults in progress at that moment (the overlap)."""
+        with self.busy_cv:
+            whole = units == set(ALL_UNITS)
+            if whole:
+                self.whole_waiting += 1
+            try:
+                # A fault on the whole job waits for every other fault, and new faults wait for it (no starving).
+                while (self.claims & units) or (not whole and self.whole_waiting):
+                    self.busy_cv.wait()
+            finally:
+                if whole:
+                    self.whole_waiting -= 1
+            overlap = len(self.claims)
+            self.claims |= units
+            return overlap
+
+    def release(self, units: set[str]) -> None:
+        with self.busy_cv:
+            self.claims -= units
+            self.busy_cv.notify_all()
+
+    def unit_ok(self, st: dict[str, Any], unit: str) -> bool:
+        role, _, index = unit.partition(":")
+        if role == "worker":
+            return bool(st["healthy"][int(index)])
+        if role == "shard":
+            return st["shards"][int(index)] == [True, True]
+        return True  # the coordinator: it answers (this status line is its own)
+
+    def _act(self, kind: str, target: str, rec: dict[str, Any], hold: float, job: Job, st: dict[str, Any]) -> tuple[float, float]:
+        """Inject ``kind`` on ``target`` for ``hold`` seconds and lift it; returns (when it was injected,
+        when it was lifted: for a coordinator_kill the re-run's launch)."""
         t_inject = time.time()
-        self.relaunched_at = 0.0
         if kind.endswith("_kill") and target != "coordinator":
             job.command("kill", target)
             time.sleep(hold)  # the downtime (the fault's length), not a synchronisation
@@ -646,9 +734,13 @@ class Soak:
             # The tasks poll their launcher: they exit by themselves. The re-run starts once all are gone.
             if not poll(lambda: not any(alive(p) for p in pids) and not self.lab.pids(), 120):
                 self.violations.append(f"tasks of run {job.run} still alive 120 s after its coordinator was killed")
-            self.relaunched_at = time.time()
+            relaunched = time.time()
             job = self.start_job()
             self.wait_started(job, 600)
+            # Faults on its tasks need their pids and the shards' pairs: the re-run's first status line.
+            if job.wait_status(lambda s: True, 600, after=relaunched) is None:
+                raise RuntimeError(f"job run {job.run} gave no status; log:\n{job.tail()}")
+            return t_inject, relaunched
         elif kind == "partition":
             a, b = target.split("|")
             self.lab.cut(a, b)
@@ -662,79 +754,124 @@ class Soak:
                 time.sleep(hold)
             finally:
                 self.lab.unthrottle(target)
-        return t_inject
+        return t_inject, time.time()
 
-    def inject(self, kind: str, job: Job) -> dict[str, Any]:
-        """Inject one fault and lift it; returns its record (the job after it may be a new run)."""
-        rng = self.rng
-        st = job.status or {}
-        rec: dict[str, Any] = {"ev": "fault", "kind": kind, "run": job.run}
-        # Downtimes on both sides of the failure timeout (3 s) and of the PS failover delay (1.5 s).
-        hold = rng.uniform(0.5, 3.0) if kind.endswith("_kill") else rng.uniform(0.5, 8.0)
-        if kind in ("worker_kill", "worker_stop"):
-            target = f"worker:{rng.randrange(NUM_WORKERS)}"
+    def inject(self, item: dict[str, Any]) -> dict[str, Any]:
+        """Inject one fault of the plan, lift it and wait for the recovery of what it touched; returns its
+        record. Faults of other lanes may be in progress on other units meanwhile."""
+        kind, hold = item["kind"], item["hold"]
+        units = self.units_of(item)
+        overlap = self.claim(units)
+        try:
+            job = self.job
+            assert job is not None
+            st = job.status or {}
+            rec: dict[str, Any] = {"ev": "fault", "kind": kind, "run": job.run}
+            if "shard" in item:
+                address = st["pairs"][item["shard"]][0 if kind.startswith("ps_primary") else 1]
+                target = next(n for n, a in st["addresses"].items() if a == address)
+            else:
+                target = item["target"]
+            if "rate" in item:
+                rec["rate"] = item["rate"]
+            workers = [n for n in target.split("|") if n.startswith("worker:")] if kind.startswith("worker") else []
             claimed = time.time()
             with self.busy_cv:
-                while target in self.busy:  # the background chaos' cycle on it ends with a restart
+                while any(w in self.busy for w in workers):  # the background chaos' cycle on it ends with a restart
                     self.busy_cv.wait()
-                self.busy.add(target)
-            # Its pid from a status line newer than the claim: a restart by the chaos changes it.
-            if kind == "worker_stop":
-                st = job.wait_status(lambda s: True, self.args.recovery_timeout, after=claimed) or st
-        elif kind.startswith("ps_"):
-            shard = rng.randrange(NUM_PS)
-            address = st["pairs"][shard][0 if kind.startswith("ps_primary") else 1]
-            target = next(n for n, a in st["addresses"].items() if a == address)
-        elif kind.startswith("coordinator"):
-            target = "coordinator"
-        elif kind == "partition":
-            a, b = rng.sample(sorted(NODES), 2)
-            target = f"{a}|{b}"
-            hold = rng.uniform(2.0, 8.0)
-        else:
-            target = rng.choice(sorted(NODES))
-            rate = rng.choice(["1mbit", "2mbit", "4mbit"])
-            rec["rate"] = rate
-            hold = rng.uniform(2.0, 8.0)
-        rec["target"] = target
-        rec["hold_s"] = round(hold, 2)
-        try:
-            t_inject = self._act(kind, target, rec, hold, job, st)
-        finally:
-            with self.busy_cv:
-                self.busy.discard(target)
-                self.busy_cv.notify_all()
-        assert self.job is not None
-        job, t_relaunch = self.job, self.relaunched_at
-        # A re-run coordinator has recovered once it trains again: from its launch (cluster start and
-        # restore included); every other fault from the moment it was lifted.
-        t_heal = t_relaunch if kind == "coordinator_kill" else time.time()
-        self.pause_chaos()
-        finished_at_heal = job.status["finished"] if (job.status and kind != "coordinator_kill") else 0
-        rec["outage_s"] = round(t_heal - t_inject, 3)
-        got = job.wait_status(lambda s: healthy(s) and s["finished"] > finished_at_heal, self.args.recovery_timeout,
-                              after=t_heal)
-        if got is None:
-            if job.trained is not None and job.status is not None and healthy(job.status):
-                rec["recovery_s"] = None  # training ended meanwhile: nothing left to make progress on
+                self.busy.update(workers)
+            try:
+                # A stopped worker's pid from a status line newer than the claim: a restart changes it.
+                if kind == "worker_stop":
+                    st = job.wait_status(lambda s: True, self.args.recovery_timeout, after=claimed) or st
+                rec["target"] = target
+                rec["hold_s"] = round(hold, 2)
+                rec["overlap"] = overlap
+                t_inject, t_heal = self._act(kind, target, rec, hold, job, st)
+            finally:
+                with self.busy_cv:
+                    self.busy.difference_update(workers)
+                    self.busy_cv.notify_all()
+            job = self.job
+            assert job is not None
+            # A re-run coordinator has recovered once it trains again (from its launch: cluster start and
+            # restore included) with every unit that no other fault holds healthy; every other fault once
+            # what it touched is healthy and the job trained more closures than when it was lifted.
+            finished_at_heal = job.status["finished"] if (job.status and kind != "coordinator_kill") else 0
+            if kind.startswith("coordinator"):
+                # Faults on the tasks may start on the job while it recovers; another coordinator fault
+                # (or a link fault of the coordinator) waits: it would end the run this one measures.
+                self.release(units - {"coordinator"})
+                units = {"coordinator"}
+
+                def recovered(s: dict[str, Any]) -> bool:
+                    with self.busy_cv:
+                        others = set(self.claims)
+                    return s["finished"] > finished_at_heal and all(self.unit_ok(s, u) for u in ALL_UNITS if u not in others)
             else:
-                self.violations.append(f"no recovery within {self.args.recovery_timeout:.0f} s after {kind} of {target} "
-                                       f"(last status {job.status})")
-                rec["recovery_s"] = None
-        else:
-            rec["recovery_s"] = round(got["t"] - t_heal, 3)
-        rec["run"] = job.run
-        self.chaos_paused.clear()
-        return rec
+                def recovered(s: dict[str, Any]) -> bool:
+                    return s["finished"] > finished_at_heal and all(self.unit_ok(s, u) for u in units)
+            self.pause_chaos()
+            try:
+                rec["at_s"] = round(t_inject - self.t0, 1)  # when it was injected, from the soak's start
+                rec["outage_s"] = round(t_heal - t_inject, 3)
+                got = job.wait_status(recovered, self.args.recovery_timeout, after=t_heal)
+                if got is None:
+                    if job.trained is not None and job.status is not None and healthy(job.status):
+                        rec["recovery_s"] = None  # training ended meanwhile: nothing left to make progress on
+                    elif not job.alive():
+                        self.violations.append(f"job run {job.run} exited while recovering from {kind} of {target}; "
+                                               f"log:\n{job.tail()}")
+                        rec["recovery_s"] = None
+                    else:
+                        self.violations.append(f"no recovery within {self.args.recovery_timeout:.0f} s after {kind} of "
+                                               f"{target} (last status {job.status})")
+                        rec["recovery_s"] = None
+                else:
+                    rec["recovery_s"] = round(got["t"] - t_heal, 3)
+            finally:
+                self.resume_chaos()
+            rec["run"] = job.run
+            return rec
+        finally:
+            self.release(units)
 
     # ------------------------------------------------------------------ the soak
+    def _lane(self, plan: Any) -> None:
+        """One lane of faults: take the plan's next fault, wait its gap, inject it, until the time is up."""
+        args = self.args
+        while True:
+            with self.plan_lock:
+                if self.stopping or time.time() >= self.fault_deadline or (self.job and self.job.trained is not None):
+                    return
+                if args.rounds and self.planned >= args.rounds * len(self.kinds):
+                    return
+                item = next(plan)
+                self.planned += 1
+            time.sleep(item["gap"])  # the nemesis' cadence
+            try:
+                rec = self.inject(item)
+            except Exception as e:
+                with self.plan_lock:
+                    self.stopping = True
+                self.violations.append(f"soak error: {e!r}")
+                with self.busy_cv:
+                    self.busy_cv.notify_all()
+                return
+            with self.plan_lock:
+                self.records.append(rec)
+                self.log(rec)
+                if self.violations:
+                    self.stopping = True
+
     def go(self) -> int:
         args = self.args
         self.log({"ev": "seed", "seed": args.seed, "faults": self.kinds, "minutes": args.minutes,
                   "replay": f"{sys.executable} {os.path.abspath(__file__)} --seed {args.seed} --minutes {args.minutes} "
                             f"--rounds {args.rounds} --faults {','.join(self.kinds)} "
-                            f"--interval {','.join(str(x) for x in args.interval)} --batches {args.batches} "
-                            f"--epochs {args.epochs} --shm {args.shm} --worker-chaos {args.worker_chaos}"})
+                            f"--interval {','.join(str(x) for x in args.interval)} --lanes {args.lanes} "
+                            f"--batches {args.batches} --epochs {args.epochs} --shm {args.shm} "
+                            f"--worker-chaos {args.worker_chaos}"})
         sampler = threading.Thread(target=self._sample_shm, daemon=True)
         sampler.start()
         chaos = threading.Thread(target=self._worker_chaos, daemon=True) if args.worker_chaos else None
@@ -747,18 +884,13 @@ class Soak:
             if job.wait_status(lambda s: healthy(s) and s["finished"] > 0, 600) is None:
                 raise RuntimeError(f"the job never trained; log:\n{job.tail()}")
             self.chaos_paused.clear()
-            for i, kind in enumerate(self.schedule()):
-                if time.time() >= self.fault_deadline or job.trained is not None:
-                    break
-                if args.rounds and i >= args.rounds * len(self.kinds):
-                    break
-                time.sleep(self.rng.uniform(*args.interval))  # the nemesis' cadence
-                rec = self.inject(kind, job)
-                job = self.job  # type: ignore[assignment]
-                self.records.append(rec)
-                self.log(rec)
-                if self.violations:
-                    break
+            plan = self.plan()
+            lanes = [threading.Thread(target=self._lane, args=(plan,), daemon=True) for _ in range(args.lanes)]
+            for lane in lanes:
+                lane.start()
+            for lane in lanes:
+                lane.join()
+            job = self.job  # type: ignore[assignment]
             assert job is not None
             self.pause_chaos()
             if not self.violations:
@@ -837,6 +969,7 @@ class Soak:
         return {"ev": "summary", "seed": self.args.seed, "elapsed_s": round(time.time() - self.t0, 1),
                 "faults": {k: counts.get(k, 0) for k in self.kinds}, "total_faults": len(self.records),
                 "recovery": rec, "coordinator_runs": self.run, "closures": getattr(self, "final_step", None),
+                "lanes": self.args.lanes, "overlapped_faults": sum(1 for r in self.records if r.get("overlap")),
                 "save_retries": self.save_retries, "background_worker_kills": self.chaos_kills,
                 "background_cycles_overtaken": self.chaos_skipped, "shm_files_seen": len(self.shm_seen),
                 "violations": self.violations}
@@ -877,8 +1010,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shm", choices=("named", "sealed", "off"), default="named",
                    help="shared-memory kind the job's processes offer (default named: /dev/shm files, checked for leftovers)")
     p.add_argument("--faults", default=",".join(KINDS), help=f"comma-separated kinds (default all: {','.join(KINDS)})")
-    p.add_argument("--interval", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.5, 2.0),
-                   help="seconds between one fault's recovery and the next fault, drawn from this range (default 0.5,2)")
+    p.add_argument("--interval", type=lambda s: tuple(float(x) for x in s.split(",")), default=(0.2, 1.0),
+                   help="seconds a lane waits between one fault's recovery and its next fault, drawn from this range "
+                        "(default 0.2,1)")
+    p.add_argument("--lanes", type=int, default=3,
+                   help="faults in progress at once, at most (default 3): each lane injects the schedule's next fault "
+                        "on a worker, shard or link that no other fault holds; a coordinator fault waits for the others "
+                        "and holds the whole job until its re-run answers")
     p.add_argument("--worker-chaos", type=float, default=0.0, metavar="SECONDS",
                    help="also SIGKILL and restart a random worker about every SECONDS in the background, overlapping "
                         "the other faults (a coordinator_kill included); 0 (default): off")
@@ -896,6 +1034,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hosts", help=argparse.SUPPRESS)
     p.add_argument("--namespaces", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.lanes < 1:
+        p.error("--lanes must be >= 1")
     if args.job:
         return run_job(args)
     args.faults = [f for f in args.faults.split(",") if f]

@@ -387,3 +387,15 @@ class SyncStepsResponse(_message.Message):
     max_lead: int
     uncommitted: int
     def __init__(self, enabled: _Optional[bool] = ..., staleness: _Optional[int] = ..., applied: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., clocks: _Optional[_Iterable[int]] = ..., waiting: _Optional[_Iterable[int]] = ..., staged_steps: _Optional[_Iterable[int]] = ..., max_lead: _Optional[int] = ..., uncommitted: _Optional[int] = ...) -> None: ...
+
+class BeginRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class BeginRunResponse(_message.Message):
+    __slots__ = ("previous_run_id",)
+    PREVIOUS_RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    previous_run_id: str
+    def __init__(self, previous_run_id: _Optional[str] = ...) -> None: ...

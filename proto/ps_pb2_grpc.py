@@ -95,6 +95,11 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
                 _registered_method=True)
+        self.BeginRun = channel.unary_unary(
+                '/jaxdist.ParameterServer/BeginRun',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.BeginRunRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.BeginRunResponse.FromString,
+                _registered_method=True)
         self.SyncSteps = channel.unary_unary(
                 '/jaxdist.ParameterServer/SyncSteps',
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
@@ -190,6 +195,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BeginRun(self, request, context):
+        """Coordinator -> every PS task (primaries and backups): its run begins. From then on the PS
+        refuses (STALE_RUN) pushes whose identity names another run; answers once the pushes of
+        other runs in progress have finished (ps_server/run_fence.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SyncSteps(self, request, context):
         """Synchronous and bounded-stale training (ps_server/sync_steps.py): the coordinator
         configures the step clock and changes its membership; workers commit their steps.
@@ -260,6 +274,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Promote,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.SerializeToString,
+            ),
+            'BeginRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRun,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.BeginRunRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.BeginRunResponse.SerializeToString,
             ),
             'SyncSteps': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncSteps,
@@ -591,6 +610,33 @@ class ParameterServer:
             '/jaxdist.ParameterServer/Promote',
             jaxdist_dot_proto_dot_ps__pb2.PromoteRequest.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.PromoteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/BeginRun',
+            jaxdist_dot_proto_dot_ps__pb2.BeginRunRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.BeginRunResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from jaxdist.proto import common_pb2 as jaxdist_dot_proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxdist/proto/worker.proto\x12\x07jaxdist\x1a\x1ajaxdist/proto/common.proto\"\xa1\x01\n\x10\x43onfigureRequest\x12\x14\n\x0c\x63luster_json\x18\x01 \x01(\t\x12\x14\n\x0cworker_index\x18\x02 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x63oordinator_id\x18\x04 \x01(\t\x12\x1c\n\x14registration_address\x18\x05 \x01(\t\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"\x94\x01\n\x0b\x43losureCall\x12\x12\n\nclosure_id\x18\x01 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tfn_digest\x18\x03 \x01(\t\x12\x12\n\nfn_payload\x18\x04 \x01(\x0c\x12\x0c\n\x04\x61rgs\x18\x05 \x01(\x0c\x12\x13\n\x0bresource_id\x18\x06 \x01(\x03\x12\x16\n\x0e\x64iscard_result\x18\x07 \x01(\x08\"\x90\x01\n\rClosureResult\x12\x12\n\nclosure_id\x18\x01 \x01(\x03\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.jaxdist.ClosureStatus\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\r\n\x05\x65rror\x18\x04 \x01(\x0c\x12\x12\n\nerror_type\x18\x05 \x01(\t\x12\x11\n\ttraceback\x18\x06 \x01(\t\"F\n\nRunRequest\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.jaxdist.ClosureCall\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"Z\n\x0bRunResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.jaxdist.ClosureResult\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\r\n\x05run_s\x18\x03 \x01(\x01*k\n\rClosureStatus\x12\x0e\n\nCLOSURE_OK\x10\x00\x12\x11\n\rCLOSURE_ERROR\x10\x01\x12\x14\n\x10\x46UNCTION_UNKNOWN\x10\x02\x12\x0b\n\x07SKIPPED\x10\x03\x12\x14\n\x10RESOURCE_UNKNOWN\x10\x04\x32\xf9\x01\n\x06Worker\x12\x42\n\tConfigure\x12\x19.jaxdist.ConfigureRequest\x1a\x1a.jaxdist.ConfigureResponse\x12\x38\n\x0bRunClosures\x12\x13.jaxdist.RunRequest\x1a\x14.jaxdist.RunResponse\x12\x30\n\tHeartbeat\x12\x0e.jaxdist.Empty\x1a\x13.jaxdist.TaskStatus\x12?\n\x08Shutdown\x12\x18.jaxdist.ShutdownRequest\x1a\x19.jaxdist.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ajaxdist/proto/worker.proto\x12\x07jaxdist\x1a\x1ajaxdist/proto/common.proto\"\xa1\x01\n\x10\x43onfigureRequest\x12\x14\n\x0c\x63luster_json\x18\x01 \x01(\t\x12\x14\n\x0cworker_index\x18\x02 \x01(\x05\x12\x13\n\x0bnum_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x63oordinator_id\x18\x04 \x01(\t\x12\x1c\n\x14registration_address\x18\x05 \x01(\t\x12\x16\n\x0eworker_address\x18\x06 \x01(\t\"(\n\x11\x43onfigureResponse\x12\x13\n\x0bincarnation\x18\x01 \x01(\t\"\x94\x01\n\x0b\x43losureCall\x12\x12\n\nclosure_id\x18\x01 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\x05\x12\x11\n\tfn_digest\x18\x03 \x01(\t\x12\x12\n\nfn_payload\x18\x04 \x01(\x0c\x12\x0c\n\x04\x61rgs\x18\x05 \x01(\x0c\x12\x13\n\x0bresource_id\x18\x06 \x01(\x03\x12\x16\n\x0e\x64iscard_result\x18\x07 \x01(\x08\"\xa0\x01\n\rClosureResult\x12\x12\n\nclosure_id\x18\x01 \x01(\x03\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.jaxdist.ClosureStatus\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\r\n\x05\x65rror\x18\x04 \x01(\x0c\x12\x12\n\nerror_type\x18\x05 \x01(\t\x12\x11\n\ttraceback\x18\x06 \x01(\t\x12\x0e\n\x06pushed\x18\x07 \x01(\x08\"F\n\nRunRequest\x12#\n\x05\x63\x61lls\x18\x01 \x03(\x0b\x32\x14.jaxdist.ClosureCall\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\"Z\n\x0bRunResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.jaxdist.ClosureResult\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\r\n\x05run_s\x18\x03 \x01(\x01*k\n\rClosureStatus\x12\x0e\n\nCLOSURE_OK\x10\x00\x12\x11\n\rCLOSURE_ERROR\x10\x01\x12\x14\n\x10\x46UNCTION_UNKNOWN\x10\x02\x12\x0b\n\x07SKIPPED\x10\x03\x12\x14\n\x10RESOURCE_UNKNOWN\x10\x04\x32\xf9\x01\n\x06Worker\x12\x42\n\tConfigure\x12\x19.jaxdist.ConfigureRequest\x1a\x1a.jaxdist.ConfigureResponse\x12\x38\n\x0bRunClosures\x12\x13.jaxdist.RunRequest\x1a\x14.jaxdist.RunResponse\x12\x30\n\tHeartbeat\x12\x0e.jaxdist.Empty\x1a\x13.jaxdist.TaskStatus\x12?\n\x08Shutdown\x12\x18.jaxdist.ShutdownRequest\x1a\x19.jaxdist.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'jaxdist.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CLOSURESTATUS']._serialized_start=735
-  _globals['_CLOSURESTATUS']._serialized_end=842
+  _globals['_CLOSURESTATUS']._serialized_start=751
+  _globals['_CLOSURESTATUS']._serialized_end=858
   _globals['_CONFIGUREREQUEST']._serialized_start=68
   _globals['_CONFIGUREREQUEST']._serialized_end=229
   _globals['_CONFIGURERESPONSE']._serialized_start=231
@@ -41,11 +41,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLOSURECALL']._serialized_start=274
   _globals['_CLOSURECALL']._serialized_end=422
   _globals['_CLOSURERESULT']._serialized_start=425
-  _globals['_CLOSURERESULT']._serialized_end=569
-  _globals['_RUNREQUEST']._serialized_start=571
-  _globals['_RUNREQUEST']._serialized_end=641
-  _globals['_RUNRESPONSE']._serialized_start=643
-  _globals['_RUNRESPONSE']._serialized_end=733
-  _globals['_WORKER']._serialized_start=845
-  _globals['_WORKER']._serialized_end=1094
+  _globals['_CLOSURERESULT']._serialized_end=585
+  _globals['_RUNREQUEST']._serialized_start=587
+  _globals['_RUNREQUEST']._serialized_end=657
+  _globals['_RUNRESPONSE']._serialized_start=659
+  _globals['_RUNRESPONSE']._serialized_end=749
+  _globals['_WORKER']._serialized_start=861
+  _globals['_WORKER']._serialized_end=1110
 # @@protoc_insertion_point(module_scope)

@@ -62,20 +62,22 @@ class ClosureCall(_message.Message):
     def __init__(self, closure_id: _Optional[int] = ..., attempt: _Optional[int] = ..., fn_digest: _Optional[str] = ..., fn_payload: _Optional[bytes] = ..., args: _Optional[bytes] = ..., resource_id: _Optional[int] = ..., discard_result: _Optional[bool] = ...) -> None: ...
 
 class ClosureResult(_message.Message):
-    __slots__ = ("closure_id", "status", "value", "error", "error_type", "traceback")
+    __slots__ = ("closure_id", "status", "value", "error", "error_type", "traceback", "pushed")
     CLOSURE_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     ERROR_TYPE_FIELD_NUMBER: _ClassVar[int]
     TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
     closure_id: int
     status: ClosureStatus
     value: bytes
     error: bytes
     error_type: str
     traceback: str
-    def __init__(self, closure_id: _Optional[int] = ..., status: _Optional[_Union[ClosureStatus, str]] = ..., value: _Optional[bytes] = ..., error: _Optional[bytes] = ..., error_type: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+    pushed: bool
+    def __init__(self, closure_id: _Optional[int] = ..., status: _Optional[_Union[ClosureStatus, str]] = ..., value: _Optional[bytes] = ..., error: _Optional[bytes] = ..., error_type: _Optional[str] = ..., traceback: _Optional[str] = ..., pushed: _Optional[bool] = ...) -> None: ...
 
 class RunRequest(_message.Message):
     __slots__ = ("calls", "incarnation")

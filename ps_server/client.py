@@ -152,6 +152,7 @@ class PSClient(ServiceClient):
         self._restore = self._unary("Restore", ps_pb2.RestoreRequest, ps_pb2.RestoreResponse)
         self._set_backup = self._unary("SetBackup", ps_pb2.SetBackupRequest, ps_pb2.SetBackupResponse)
         self._promote = self._unary("Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
+        self._begin_run = self._unary("BeginRun", ps_pb2.BeginRunRequest, ps_pb2.BeginRunResponse)
         self._sync_steps = self._unary("SyncSteps", ps_pb2.SyncStepsRequest, ps_pb2.SyncStepsResponse)
 
     def close(self) -> None:
@@ -421,6 +422,11 @@ class PSClient(ServiceClient):
     def promote(self, epoch: int, timeout: float = 10.0) -> int:
         """Make this backup the primary at ``epoch``; returns its epoch."""
         return self._call(self._promote, ps_pb2.PromoteRequest(epoch=epoch), timeout).epoch
+
+    def begin_run(self, run_id: str, timeout: float = 60.0) -> str:
+        """Begin coordinator run ``run_id`` here: pushes of other runs are refused from now on
+        (:class:`~jaxdist.base.errors.StaleRunError`). Returns the run served before ("" for none)."""
+        return self._call(self._begin_run, ps_pb2.BeginRunRequest(run_id=run_id), timeout).previous_run_id
 
     # -------------------------------------------------------------- checkpoint
     def save(self, directory: str, file_name: str, timeout: float = 600.0) -> ps_pb2.SaveResponse:

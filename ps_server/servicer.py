@@ -39,6 +39,7 @@ from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
 from jaxdist.ps_server.optimizer_cache import OptimizerCache, unpickle
+from jaxdist.ps_server.run_fence import RunFence
 from jaxdist.ps_server.store import NewVariable, VariableStore
 from jaxdist.ps_server.sync_steps import SyncSteps
 from jaxdist.transport import dataplane
@@ -69,6 +70,7 @@ class ParameterServerServicer:
         self.counters = PSCounters()
         self.replication = Replication(store, self._send_replica, self.optimizers.blob)
         self.sync = SyncSteps(store.apply_step, lambda name: store.spec(name)[1], store.was_applied)
+        self.run_fence = RunFence(self.task)
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
@@ -89,6 +91,7 @@ class ParameterServerServicer:
             "Replicate": stream_in_handler("Replicate", self.replicate),
             "SetBackup": unary_handler("SetBackup", ps_pb2.SetBackupRequest.FromString, self.set_backup),
             "Promote": unary_handler("Promote", ps_pb2.PromoteRequest.FromString, self.promote),
+            "BeginRun": unary_handler("BeginRun", ps_pb2.BeginRunRequest.FromString, self.begin_run),
             "SyncSteps": unary_handler("SyncSteps", ps_pb2.SyncStepsRequest.FromString, self.sync_steps),
         }
 
@@ -171,7 +174,12 @@ class ParameterServerServicer:
 
     def _push_apply(self, header: ps_pb2.PushHeader, received: list[np.ndarray]) -> ps_pb2.PushResponse:
         """Apply a checked push (:meth:`_push_specs`); counted only once it was applied (or was a
-        duplicate): a rejected push changes nothing, its counters included."""
+        duplicate): a rejected push changes nothing, its counters included. A push of a closure of
+        another coordinator run than the one begun here is refused (:class:`RunFence`)."""
+        with self.run_fence.admit(header.update_id):
+            return self._push_apply_admitted(header, received)
+
+    def _push_apply_admitted(self, header: ps_pb2.PushHeader, received: list[np.ndarray]) -> ps_pb2.PushResponse:
         if ps_wire.is_create(header):
             created = ps_wire.decode_creates(header, iter(received), self.store.max_variable_bytes)
             versions = self.store.create_many([self._new_variable(c) for c in created])
@@ -326,6 +334,11 @@ class ParameterServerServicer:
     def set_backup(self, req: ps_pb2.SetBackupRequest, context: grpc.ServicerContext) -> ps_pb2.SetBackupResponse:
         n, nbytes = self.replication.attach(req.address, req.epoch)
         return ps_pb2.SetBackupResponse(variables=n, bytes=nbytes)
+
+    def begin_run(self, req: ps_pb2.BeginRunRequest, context: grpc.ServicerContext) -> ps_pb2.BeginRunResponse:
+        if not req.run_id:
+            raise InvalidRequestError("BeginRun needs a run_id")
+        return ps_pb2.BeginRunResponse(previous_run_id=self.run_fence.begin(req.run_id))
 
     def promote(self, req: ps_pb2.PromoteRequest, context: grpc.ServicerContext) -> ps_pb2.PromoteResponse:
         epoch = self.replication.promote(req.epoch)

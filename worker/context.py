@@ -101,10 +101,13 @@ class ClosureIdentity:
     scheduling, so :meth:`next_update_id` refuses it.
     """
 
-    __slots__ = ("prefix", "_counts", "_children", "_owner", "_lock", "sync_step")
+    __slots__ = ("prefix", "_counts", "_children", "_owner", "_lock", "sync_step", "pushed")
 
-    def __init__(self, prefix: str, owner: int | None = None) -> None:
+    def __init__(self, prefix: str, owner: int | None = None, pushed: threading.Event | None = None) -> None:
         self.prefix = prefix
+        #: Set once this closure attempt (any of its threads: children share it) asked for a push
+        #: identity, i.e. made a push that may have been applied.
+        self.pushed = pushed if pushed is not None else threading.Event()
         #: Pushes made so far, per signature ("": pushes without one).
         self._counts: dict[str, int] = {}
         self._children: dict[str, int] = {}
@@ -132,6 +135,7 @@ class ClosureIdentity:
         """
         if not self.owned_by_caller():
             raise UnidentifiedPushError(_SHARED)
+        self.pushed.set()
         with self._lock:
             n = self._counts[signature] = self._counts.get(signature, 0) + 1
         return f"{self.prefix}/{signature}.{n}" if signature else f"{self.prefix}/{n}"
@@ -141,7 +145,7 @@ class ClosureIdentity:
         from ``site`` by this identity's thread; unbound until :meth:`bind`."""
         with self._lock:
             n = self._children[site] = self._children.get(site, 0) + 1
-        return ClosureIdentity(f"{self.prefix}/{site}.{n}", owner=0)
+        return ClosureIdentity(f"{self.prefix}/{site}.{n}", owner=0, pushed=self.pushed)
 
 
 @dataclass(frozen=True)

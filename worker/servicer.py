@@ -213,8 +213,9 @@ class WorkerServicer:
                 self._resources[call.resource_id] = closure_args.FailedResource(e)
             self._set_error(result, e)
             return
+        closure_ctx = self.context.for_closure(f"{self._coordinator_id}/{call.closure_id}")
         try:
-            with wctx.use(self.context.for_closure(f"{self._coordinator_id}/{call.closure_id}")):
+            with wctx.use(closure_ctx):
                 try:
                     value = fn(*args, **kwargs)
                 except StopIteration as stop:
@@ -234,6 +235,9 @@ class WorkerServicer:
                 e = self._input_error(call.resource_id, e)
                 self._resources[call.resource_id] = closure_args.FailedResource(e)
             self._set_error(result, e)
+            # Whether a push of it may have been applied: its exactly-once batches are then consumed.
+            assert closure_ctx.identity is not None
+            result.pushed = closure_ctx.identity.pushed.is_set()
             return
         result.status = worker_pb2.CLOSURE_OK
         self.stats["closures_done"] += 1

@@ -124,8 +124,8 @@ def function_payload(fn: Callable[..., Any]) -> FunctionPayload:
 class Closure:
     """One scheduled call ``fn(*args, **kwargs)`` and the RemoteValue it settles.
 
-    ``succeed``/``fail``/``cancel`` settle it (once; the ledger hooks
-    ``on_done``/``on_cancel`` run at most once between them).
+    ``succeed``/``fail``/``cancel`` settle it (once; one of the ledger hooks
+    ``on_done``/``on_cancel``/``on_consumed`` runs, at most once).
     """
 
     fn: Callable[..., Any]
@@ -137,7 +137,11 @@ class Closure:
     resource_id: int = 0  # non-zero: the result stays on the worker as this resource
     per_worker: bool = False  # arguments hold PerWorkerValues, resolved per worker at dispatch
     on_done: Callable[[], None] | None = None  # called once when it finished successfully
-    on_cancel: Callable[[], None] | None = None  # called once when it is cancelled or fails
+    # Called once when it is cancelled or fails with no push of it possibly applied (its batches go back).
+    on_cancel: Callable[[], None] | None = None
+    # Called once instead of ``on_cancel`` when it fails or is cancelled after a push of it may have been
+    # applied (an attempt made one, or an attempt's worker died): its batches are consumed, never re-issued.
+    on_consumed: Callable[[], None] | None = None
     # Per-worker resource closures: told how each build ended (None: built; else the error, a
     # CancelledError when it was cancelled unrun). Called once, after the RemoteValue is settled.
     on_settled: Callable[[BaseException | None], None] | None = None
@@ -159,18 +163,23 @@ class Closure:
             self.remote_value.set_result(payload)
         if self.on_done is not None:
             self.on_done()
-        self.on_cancel = None
+        self.on_cancel = self.on_consumed = None
         self._settled(None)
 
-    def fail(self, error: BaseException) -> None:
-        """It failed for good: ``fetch()`` raises ``error``; its data positions go back to the ledger."""
-        self._give_back()
+    def fail(self, error: BaseException, pushed: bool = False) -> None:
+        """It failed for good: ``fetch()`` raises ``error``. Its data positions go back to the ledger,
+        unless a push of it may have been applied (``pushed``: the failing attempt made one; or an
+        earlier attempt ran, ``attempt > 0``): then they are consumed (handing them out again would
+        apply those pushes twice, under the new closure's push identities)."""
+        self._give_back(consumed=pushed or self.attempt > 0)
         self.remote_value.set_error(error)
         self._settled(error)
 
     def cancel(self, error: BaseException) -> None:
-        """It will not run: ``fetch()`` raises ``error`` (ABORTED); its data positions go back."""
-        self._give_back()
+        """It will not run (again): ``fetch()`` raises ``error`` (ABORTED). Its data positions go back,
+        unless an earlier attempt ran (``attempt > 0``: re-queued after its worker failed, its pushes
+        may be applied): then they are consumed."""
+        self._give_back(consumed=self.attempt > 0)
         self.remote_value.set_aborted(error)
         self._settled(error)
 
@@ -179,10 +188,11 @@ class Closure:
         if hook is not None:
             hook(error)
 
-    def _give_back(self) -> None:
-        if self.on_cancel is not None:
-            self.on_cancel()
-            self.on_cancel = None
+    def _give_back(self, consumed: bool) -> None:
+        hook = self.on_consumed if consumed else self.on_cancel
+        self.on_cancel = self.on_consumed = None
+        if hook is not None:
+            hook()
 
 
 class ClosureQueue:

@@ -449,7 +449,7 @@ class Cluster:
                 q.mark_finished(finished)
                 finished = 0
             if type(d) is fh.Fail:
-                d.closure.fail(d.error)
+                d.closure.fail(d.error, pushed=d.pushed)
                 q.mark_failed(d.error)
             elif type(d) is fh.InputFailed:
                 d.closure.fail(d.error)
@@ -620,11 +620,33 @@ class ClusterCoordinator:
         self._registration: Server | None = None
         self._metrics: MetricsExporter | None = None
         self._ps_recovery_timeout: float | None = None
+        self._begin_run()
         self._cluster.start()
         if strategy.replicas is not None:
             self._cluster.failures.set_ps_mode(PSMode.REPLICATION, failover_after=self.failover_after)
             self._cluster.watch_ps(PSWatcher(strategy, self, self._cluster.failures, self._cluster,
                                              failover_after=self.failover_after))
+
+    def _begin_run(self) -> None:
+        """Begin this run on every PS task before any worker is configured: from then on each refuses
+        pushes of closures of earlier runs (workers that outlived an earlier coordinator of the job),
+        so nothing of them lands on variables this run restores. A task that does not answer is
+        skipped (logged): a PS restored or attached later begins the run then."""
+        conns = self.strategy.connections
+        run_id = self.run_id
+
+        def begin(client: Any) -> str | None:
+            try:
+                client.begin_run(run_id)
+                return None
+            except E.JaxdistError as e:
+                return str(e)
+
+        failed = {i: e for i, e in conns.fan_out({i: begin for i in range(len(conns.clients))}).items() if e}
+        for i, e in sorted(failed.items()):
+            logger.warning("ps:%d did not begin coordinator run %s: %s", i, run_id, e)
+        if self.strategy.replicas is not None:
+            self.strategy.replicas.begin_run(run_id)
 
     # ------------------------------------------------------------------ views
     def dispatch_counters(self) -> dict[str, int]:

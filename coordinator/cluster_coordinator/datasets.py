@@ -81,6 +81,7 @@ class DataLedger:
         self._next = 0
         self._returned: collections.deque[int] = collections.deque()
         self._done: set[int] = set()
+        self._consumed: set[int] = set()  # failed after a push of them may have applied: never handed out again
         self._out: set[int] = set()  # handed out, neither done nor given back: a closure holds it
         self._lock = threading.Lock()
 
@@ -101,7 +102,7 @@ class DataLedger:
         """``position``'s closure was cancelled or failed: hand it out again, first."""
         with self._lock:
             self._out.discard(position)
-            if position not in self._done:
+            if position not in self._done and position not in self._consumed:
                 self._returned.appendleft(position)
 
     def mark_done(self, position: int) -> None:
@@ -110,9 +111,25 @@ class DataLedger:
             self._out.discard(position)
             self._done.add(position)
 
+    def mark_consumed(self, position: int) -> None:
+        """``position``'s closure failed (or was cancelled) after a push of it may have been applied: the
+        batch is never handed out again (a new closure's pushes would repeat the applied ones under new
+        identities). It counts as trained for :attr:`remaining`; :attr:`consumed` lists it."""
+        with self._lock:
+            self._out.discard(position)
+            if position not in self._done:
+                self._consumed.add(position)
+
+    @property
+    def consumed(self) -> list[int]:
+        """Positions whose closure failed or was cancelled after it may have applied a push: each of their
+        batches was trained at most in part, and is not handed out again."""
+        with self._lock:
+            return sorted(self._consumed)
+
     @property
     def completed(self) -> int:
-        """Positions whose closure finished (their batches trained on)."""
+        """Positions whose closure finished (their batches trained on); not the :attr:`consumed` ones."""
         with self._lock:
             return len(self._done)
 
@@ -121,13 +138,13 @@ class DataLedger:
         """Positions not done yet, handed out or not: what a run resumed from a checkpoint still
         schedules (one closure per position; ``steps_per_execution(fn, k)``: one per ``k``)."""
         with self._lock:
-            return self.num_batches * self.epochs - len(self._done)
+            return self.num_batches * self.epochs - len(self._done) - len(self._consumed)
 
     def state(self) -> dict[str, Any]:
         """Serializable state (for checkpoints): what was trained and what remains."""
         with self._lock:
             return {"num_batches": self.num_batches, "epochs": self.epochs, "next": self._next,
-                    "returned": sorted(self._returned), "done": sorted(self._done)}
+                    "returned": sorted(self._returned), "done": sorted(self._done), "consumed": sorted(self._consumed)}
 
     def load_state(self, state: dict[str, Any]) -> None:
         """Become the ledger ``state`` describes (a checkpoint's). Positions handed out but not
@@ -139,12 +156,14 @@ class DataLedger:
                 again while they train them. Restore before scheduling, or after ``join()``.
         """
         done = set(state["done"])
-        returned = collections.deque(sorted(set(state["returned"]) | (set(range(state["next"])) - done)))
+        consumed = set(state.get("consumed", ()))  # (checkpoints before this release have none)
+        returned = collections.deque(sorted((set(state["returned"]) | set(range(state["next"]))) - done - consumed))
         with self._lock:
             self._check_restorable()
             self.num_batches = state["num_batches"]
             self.epochs = state["epochs"]
             self._done = done
+            self._consumed = consumed
             self._out = set()
             self._returned = returned
             self._next = state["next"]
@@ -225,8 +244,13 @@ def assign_ledger_positions(closure: Closure) -> None:
             for led, p in reversed(taken):  # each goes to the front: in reverse, they are handed out in order again
                 led.give_back(p)
 
+        def on_consumed() -> None:
+            for led, p in taken:
+                led.mark_consumed(p)
+
         closure.on_done = on_done
         closure.on_cancel = on_cancel
+        closure.on_consumed = on_consumed
 
 
 class DatasetObject:

@@ -589,7 +589,7 @@ class Dispatcher:
             if outcome is Outcome.OK:
                 reports.append(ClosureReport(cl, outcome, r.value))
             elif outcome is Outcome.ERROR:
-                reports.append(ClosureReport(cl, outcome, error=_rebuild_error(r, h.task)))
+                reports.append(ClosureReport(cl, outcome, error=_rebuild_error(r, h.task), pushed=r.pushed))
             else:
                 reports.append(ClosureReport(cl, outcome))
         # A short answer (a worker bug) must not strand closures: those without a result go back unrun.

@@ -168,10 +168,12 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Fail:
-    """The closure failed for good with ``error`` (recorded; queued closures are cancelled)."""
+    """The closure failed for good with ``error`` (recorded; queued closures are cancelled).
+    ``pushed``: this attempt made a push that may have been applied (its batches are consumed)."""
 
     closure: Closure
     error: BaseException
+    pushed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,6 +300,7 @@ class ClosureReport:
     outcome: Outcome
     payload: bytes = b""
     error: BaseException | None = None
+    pushed: bool = False  # ERROR: the closure made a push before it failed
 
 
 # ------------------------------------------------------------------- liveness
@@ -421,6 +424,9 @@ class FailureHandler:
         self._ps_timeout = 300.0
         self._failover_after = 1.5
         self._restarted: set[int] = set()  # PS tasks seen restarted, not restored yet (checkpoint mode)
+        # Replication: shards whose primary answered as a new process (restarted, empty) and whose
+        # backup is not promoted yet: never attach the backup to it (its full sync would empty it).
+        self._lost_primary: set[int] = set()
         self._held = False
 
     # ------------------------------------------------------------ configuration
@@ -638,7 +644,7 @@ class FailureHandler:
                     elif r.closure.resource_id:
                         out.append(InputFailed(r.closure, err))
                     else:
-                        out.append(Fail(r.closure, err))
+                        out.append(Fail(r.closure, err, pushed=r.pushed))
                 elif r.outcome is Outcome.FUNCTION_UNKNOWN:
                     out.append(ForgetFunction(index, r.closure.function.digest))
                     out.append(ReturnUnrun(r.closure))
@@ -663,8 +669,8 @@ class FailureHandler:
 
     def dispatch_crashed(self, batch: Sequence[Closure], error: BaseException) -> list[Decision]:
         """Sending ``batch`` failed unexpectedly (a bug): its unsettled closures fail with ``error``,
-        so ``join`` raises instead of hanging."""
-        return [Fail(c, error) for c in batch if not c.remote_value.done()]
+        so ``join`` raises instead of hanging. They may have been sent and run: their pushes may be applied."""
+        return [Fail(c, error, pushed=True) for c in batch if not c.remote_value.done()]
 
     def _declare_dead(self, w: _Worker, why: str) -> list[Decision]:
         if w.healthy:
@@ -675,10 +681,11 @@ class FailureHandler:
 
     # ---------------------------------------------------------------- PS events
     def _ps_recoverable(self, err: BaseException) -> bool:
-        if self._ps_mode is PSMode.REPLICATION:
-            return isinstance(err, E.PSUnavailableError)  # the watcher fails the shard over; then run again
-        if self._ps_mode is PSMode.CHECKPOINT:
-            # Unreachable, or restarted empty (a PS no longer knows the variable): restore, then run again.
+        # Unreachable, or restarted empty (a PS no longer knows the variable). Checkpoint mode restores
+        # it, then runs the closure again. Replication mode fails the shard over; a killed primary that
+        # restarts at its address before the workers learnt of the failover answers there as a primary
+        # with nothing in it (found by the nemesis soak, seed 97854616): the re-run goes to the new one.
+        if self._ps_mode in (PSMode.REPLICATION, PSMode.CHECKPOINT):
             return isinstance(err, E.PSUnavailableError) or (
                 isinstance(err, E.VariableNotFoundError) and _role_of(getattr(err, "task", "")) == "ps"
             )
@@ -692,7 +699,8 @@ class FailureHandler:
         return [HoldDispatch(task)]
 
     def _release_if_settled(self) -> list[Decision]:
-        if self._held and not self._restarted and all(p.down_since is None for p in self._ps.values()):
+        if (self._held and not self._restarted and not self._lost_primary
+                and all(p.down_since is None for p in self._ps.values())):
             self._held = False
             return [ReleaseDispatch()]
         return []
@@ -713,8 +721,20 @@ class FailureHandler:
                 if p.is_restart(incarnation):
                     self._restarted.add(shard)
                 p.incarnation = incarnation or p.incarnation
-            elif self._ps_mode is PSMode.REPLICATION and not has_backup:
-                return [AttachBackup(shard)]
+            elif self._ps_mode is PSMode.REPLICATION:
+                if shard in self._lost_primary or p.is_restart(incarnation):
+                    # The primary restarted before it was seen silent for failover_after: it answers
+                    # empty. The backup holds the shard: promote it (the restarted task is attached
+                    # to it afterwards as the backup). Attaching the backup to the restarted primary
+                    # would copy its emptiness over the backup (found by the nemesis soak).
+                    if shard not in self._lost_primary:
+                        logger.warning("ps:%d: the primary restarted (it lost the shard): failing over to its backup", shard)
+                    self._lost_primary.add(shard)
+                    p.incarnation = incarnation or p.incarnation
+                    return self._suspect_ps(f"ps:{shard}") + [FailOver(shard)]
+                p.incarnation = incarnation or p.incarnation
+                if not has_backup:
+                    return [AttachBackup(shard)]
             return []
 
     def ps_missed(self, shard: int) -> list[Decision]:
@@ -764,7 +784,10 @@ class FailureHandler:
     def ps_failed_over(self, shard: int) -> list[Decision]:
         """Shard ``shard``'s backup was promoted: it answers again, and the workers must learn it."""
         with self._lock:
-            self._shard(shard).answered(self._clock())
+            p = self._shard(shard)
+            p.answered(self._clock())
+            p.incarnation = ""  # the promoted backup's process is adopted at its next answer
+            self._lost_primary.discard(shard)
             return [ReconfigureWorkers()]
 
     def ps_failover_failed(self, shard: int, error: BaseException) -> list[Decision]:

@@ -41,6 +41,9 @@ class ReplicaSet:
         self.pairs = [[p, b] for p, b in zip(primaries, backups)]
         self.epochs = [1] * len(primaries)
         self.failovers = 0
+        #: The coordinator run begun on every task (""until a coordinator starts): a backup attached
+        #: later begins it too, before its full sync, so it fences earlier runs once it is promoted.
+        self.run_id = ""
         self._clients: dict[str, PSClient] = {}
         self._closed = False
 
@@ -82,6 +85,9 @@ class ReplicaSet:
         with self._lock:
             primary, backup = self.pairs[shard]
             epoch = self.epochs[shard]
+            run_id = self.run_id
+        if run_id:
+            self._client(backup, shard, "backup").begin_run(run_id)
         resp = self._client(primary, shard, "primary").set_backup(backup, epoch, timeout=timeout)
         logger.info("ps:%d backup %s attached to %s at epoch %d (%d variables, %d bytes)",
                     shard, backup, primary, epoch, resp.variables, resp.bytes)
@@ -104,15 +110,36 @@ class ReplicaSet:
         logger.warning("ps:%d failed over from %s to %s (epoch %d)", shard, old, backup, epoch)
         return backup
 
+    def begin_run(self, run_id: str) -> None:
+        """Begin coordinator run ``run_id`` on every backup (the coordinator begins it on the primaries
+        through its connections), and on every backup attached from now on. A backup that does not
+        answer is skipped (logged): it begins the run when it is attached again."""
+        with self._lock:
+            self.run_id = run_id
+            backups = [(i, b) for i, (_, b) in enumerate(self.pairs)]
+        for shard, address in backups:
+            try:
+                self._client(address, shard, "backup").begin_run(run_id)
+            except JaxdistError as e:
+                logger.warning("ps:%d backup %s did not begin run %s: %s (it will when it is attached again)",
+                               shard, address, run_id, e)
+
     def status(self, shard: int, timeout: float = 1.0) -> tuple[bool, bool]:
         """``(primary answers, primary has its backup attached)`` for shard ``shard``."""
+        alive, has_backup, _ = self.probe(shard, timeout)
+        return alive, has_backup
+
+    def probe(self, shard: int, timeout: float = 1.0) -> tuple[bool, bool, str]:
+        """:meth:`status` and the primary's process incarnation ("" when it does not answer): a new
+        one means the primary restarted, with nothing in it."""
         with self._lock:
             primary = self.pairs[shard][0]
         try:
             st = self._client(primary, shard, "primary").status(timeout=timeout)
         except JaxdistError:
-            return False, False
-        return True, st.counters.get("replica_has_backup", 0.0) == 1.0 and st.counters.get("replica_role", 0.0) == 0.0
+            return False, False, ""
+        has_backup = st.counters.get("replica_has_backup", 0.0) == 1.0 and st.counters.get("replica_role", 0.0) == 0.0
+        return True, has_backup, st.incarnation
 
     def backup_reachable(self, shard: int, timeout: float = 1.0) -> bool:
         with self._lock:

@@ -139,9 +139,9 @@ class PSWatcher:
         for i in range(len(replicas.pairs)):
             if self._stop.is_set():
                 return
-            alive, has_backup = replicas.status(i, timeout=max(0.5, self._failover_after / 2))
+            alive, has_backup, incarnation = replicas.probe(i, timeout=max(0.5, self._failover_after / 2))
             if alive:
-                self._host.apply(self._failures.ps_answered(i, has_backup=has_backup))
+                self._host.apply(self._failures.ps_answered(i, incarnation, has_backup=has_backup))
             else:
                 self._host.apply(self._failures.ps_missed(i))
         self._host.apply(self._failures.ps_pass_done())
@@ -160,6 +160,11 @@ class PSWatcher:
             latest = self._manager.latest_checkpoint if self._manager is not None else None
             if latest is None:
                 raise PSUnavailableError("a PS restarted and there is no checkpoint to restore it from")
+            # The restarted task serves this run before it holds any variable: no push of an earlier
+            # run (a worker that outlived its coordinator) lands on what is restored.
+            conns = self._strategy.connections
+            for i in sorted(shards):
+                conns.clients[i].begin_run(self._coordinator.run_id)
             Checkpoint(self._strategy, self._coordinator, ledger=None).restore(
                 latest, ps_tasks=set(shards), quiesce_timeout=RESTORE_QUIESCE_S
             )

@@ -23,7 +23,10 @@ decides it, the same way on every PS:
   from the step being formed, with the same first step on every PS.
 - **idle workers**: a step can wait for a worker that has no closure to run
   (nothing queued, or dispatch paused). When every running closure waits at
-  the barrier and no closure can be handed out, dispatch is paused for a
+  the barrier and no closure can be handed out (nothing queued, or the queue
+  hands out nothing: paused or held; a checkpoint's draining pause still hands
+  out the closures re-queued after a worker failure, and an idle worker takes
+  one, so it is not skipped while any is queued), dispatch is paused for a
   moment and the idle workers skip the blocked step (they take no part in
   it), on every PS; ``join()`` does the same for a last, partial step, so
   every committed gradient is applied when ``join`` returns.
@@ -61,7 +64,7 @@ class _Queue(Protocol):
     def inflight(self) -> int: ...
 
     @property
-    def dispatching(self) -> bool: ...
+    def handing_out(self) -> bool: ...
 
     def pause(self, timeout: float | None = None) -> bool: ...
 
@@ -214,13 +217,20 @@ class StepBarrier:
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
-            q = self._queue
-            if (q.queued and q.dispatching) or not q.inflight:
-                continue
-            try:
-                self._unblock()
-            except E.JaxdistError as e:
-                logger.debug("step barrier: PS not answering (%s)", e)
+            self.look()
+
+    def look(self) -> None:
+        """One look for a step blocked by idle workers (the watcher's, every ``_POLL_S``)."""
+        q = self._queue
+        # Closures the queue hands out now go to the idle workers, which then take part in the step:
+        # only when none can be handed out may they skip it. A checkpoint's draining pause hands out
+        # the re-queued closures (``handing_out``), though dispatch is paused.
+        if (q.queued and q.handing_out) or not q.inflight:
+            return
+        try:
+            self._unblock()
+        except E.JaxdistError as e:
+            logger.debug("step barrier: PS not answering (%s)", e)
 
     def _unblock(self) -> None:
         """Open a barrier that waits for idle workers (see the module docstring)."""

@@ -1,5 +1,6 @@
 """The nemesis soak (bench/nemesis.py): its invariant checks catch what they should, and a short
-soak, one round of every fault kind under a fixed seed, ends with no violation."""
+soak, one round of every fault kind under a fixed seed (four lanes: faults overlap on different workers,
+shards and links), ends with no violation."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_short_soak_one_round_of_every_fault_kind(nemesis: ModuleType, tmp_path:
         pytest.skip(why)
     out = tmp_path / "soak.jsonl"
     r = subprocess.run([sys.executable, str(BENCH / "nemesis.py"), "--seed", str(SEED), "--rounds", "1", "--minutes", "30",
-                        "--interval", "0.2,0.5", "--batches", "8", "--out", str(out), "--workdir", str(tmp_path / "work")],
+                        "--interval", "0.1,0.3", "--lanes", "4", "--batches", "8", "--out", str(out), "--workdir", str(tmp_path / "work")],
                        capture_output=True, text=True, timeout=560, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     summary = next((ln for ln in lines if ln["ev"] == "summary"), None)
@@ -94,3 +95,4 @@ def test_short_soak_one_round_of_every_fault_kind(nemesis: ModuleType, tmp_path:
     assert summary["coordinator_runs"] == 2 and summary["closures"] > 0
     assert summary["shm_files_seen"] >= 1  # the leftover check looked at real /dev/shm files
     assert set(summary["recovery"]) == set(nemesis.KINDS)
+    assert summary["lanes"] == 4 and summary["overlapped_faults"] >= 1  # faults overlapped on different units

@@ -300,3 +300,66 @@ def test_a_push_computed_at_another_step_is_refused() -> None:
     with pytest.raises(StepMembershipError):
         c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=0)
     assert c.stage(1, "b/1", [grad("w", 1.0)], pulled_at=c.clocks[1]) == c.clocks[1]
+
+
+# ------------------------------------------------------------------ the barrier and a checkpoint's drain
+class _FakePS:
+    """Answers STATUS with ``state["report"]`` and records every other call."""
+
+    def __init__(self, state: dict[str, object]) -> None:
+        self.state = state
+
+    def sync_steps(self, kind: SyncKind, **kwargs: object) -> SyncReport:
+        if kind is not SyncKind.STATUS:
+            self.state.setdefault("calls", []).append((kind, kwargs))  # type: ignore[union-attr]
+        return self.state["report"]  # type: ignore[return-value]
+
+
+class _FakeConnections:
+    def __init__(self, state: dict[str, object]) -> None:
+        self.clients = [_FakePS(state)]
+
+    def fan_out(self, calls: dict[int, object]) -> dict[int, object]:
+        return {i: fn(self.clients[i]) for i, fn in calls.items()}  # type: ignore[operator]
+
+
+def test_the_barrier_skips_no_idle_worker_while_a_drain_hands_out_reruns() -> None:
+    """A checkpoint's drain pauses dispatch but still hands out closures re-queued after a worker
+    failure: an idle member takes one and pushes into the blocked step, so the barrier must not skip
+    it meanwhile (it read ``dispatching``, False during any pause, and skipped it). Once the drain has
+    nothing left to hand out, the idle member is skipped, or the step (and the drain) would wait forever."""
+    from jaxdist.cluster_coordinator.closure_queue import Closure, ClosureQueue
+    from jaxdist.cluster_coordinator.sync_barrier import StepBarrier
+    from jaxdist.testing import poll_for
+
+    q = ClosureQueue()
+    a, b, c = Closure(fn=print), Closure(fn=print), Closure(fn=print)
+    for x in (a, b, c):
+        q.put(x)
+    assert q.take(0) == [a] and q.take(1) == [b]
+    q.retry(b)  # worker:1 died while running b (dropped from the steps): b may have run in part
+    # Members 0 and 2: worker 0 waits at step 1 with a, worker 2 is idle at clock 0.
+    state: dict[str, object] = {"report": report({0: 1, 2: 0}, 0, [0])}
+    barrier = StepBarrier(_FakeConnections(state), 0, q)  # type: ignore[arg-type]
+    drained: list[bool] = []
+    drain = threading.Thread(target=lambda: drained.append(q.pause(timeout=60, drain=True)))
+    drain.start()
+    try:
+        # The drain is in effect once it hands out b (c stays queued: it never ran).
+        poll_for(lambda: q.handing_out, 30, what="the drain to hand out the re-queued closure")
+        assert not q.dispatching
+        barrier.look()
+        assert "calls" not in state  # worker 2 is about to take b: no skip
+        assert q.take(2) == [b]
+        barrier.look()  # b runs and has not reached the barrier: a closure runs that will commit
+        assert "calls" not in state
+        q.mark_finished()  # b finished (its push joined step 1 from worker 2's side; here: it left)
+        assert not q.handing_out and q.queued == 1  # c never ran: the drain does not hand it out
+        barrier.look()  # a waits, worker 2 is idle and nothing can be handed out: skip it
+        assert state["calls"] == [(SyncKind.SKIP, {"contributor": 2, "step": 1})]
+        q.mark_finished()  # a's step applied
+        drain.join(timeout=60)
+        assert drained == [True]
+    finally:
+        q.stop()
+        drain.join(timeout=60)
