@@ -4,7 +4,7 @@ JAX fixes its device count when it starts and the pytest process runs with one C
 device, so a module that needs 8 registers its checks on a :class:`DeviceChecks`,
 runs itself as a script in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (the module's
-``check_results`` fixture calls :meth:`DeviceChecks.collect`), and the subprocess
+``check_results`` fixture, made by :meth:`DeviceChecks.results_fixture`, calls :meth:`DeviceChecks.collect`), and the subprocess
 prints one JSON line ``{check: null | traceback}``; each test asserts on one check
 with :func:`assert_passed`::
 
@@ -13,9 +13,7 @@ with :func:`assert_passed`::
     @CHECKS.check
     def mirrored_matches_one_device() -> None: ...
 
-    @pytest.fixture(scope="module")
-    def check_results() -> dict[str, str | None]:
-        return CHECKS.collect()
+    check_results = CHECKS.results_fixture()
 
     @pytest.mark.parametrize("name", CHECKS.names())
     def test_on_8_fake_devices(name, check_results):
@@ -33,6 +31,7 @@ import subprocess
 import sys
 import traceback
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -114,6 +113,16 @@ class DeviceChecks:
                 results: dict[str, str | None] = json.loads(line[len(self.prefix):])
                 return results
         raise AssertionError(f"check subprocess failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+
+    def results_fixture(self) -> Any:
+        """The module's ``check_results`` fixture (module scope: every check runs in one subprocess, once):
+        ``check_results = CHECKS.results_fixture()`` at module level."""
+
+        @pytest.fixture(scope="module", name="check_results")
+        def check_results() -> dict[str, str | None]:
+            return self.collect()
+
+        return check_results
 
 
 def assert_passed(results: dict[str, str | None], name: str) -> None:

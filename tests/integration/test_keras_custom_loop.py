@@ -16,12 +16,14 @@ one fresh subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from keras_util import guide_images, import_jaxdist_keras
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -32,11 +34,7 @@ EPOCHS = 2
 TOL = 1e-5
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_LOOP_RESULTS=", devices=NUM_DEVICES, timeout=840, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_LOOP_RESULTS=", devices=NUM_DEVICES, timeout=840, setup=import_jaxdist_keras)
 check = CHECKS.check
 
 
@@ -45,16 +43,7 @@ check = CHECKS.check
 # ---------------------------------------------------------------------------------------
 
 
-def _data() -> tuple[list[Any], list[Any]]:
-    """96 training and 64 test 8x8x1 images with 10 classes, batched by GLOBAL_BATCH (the guide's pipeline)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(160, 8, 8, 1)).astype(np.float32)
-    y = rng.integers(0, 10, size=(160,)).astype(np.int32)
-    train = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, 96, GLOBAL_BATCH)]
-    test = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(96, 160, GLOBAL_BATCH)]
-    return train, test
+_data = functools.partial(guide_images, GLOBAL_BATCH)
 
 
 def _parts(strategy: Any) -> dict[str, Any]:
@@ -423,9 +412,7 @@ def parameter_server_model_in_a_custom_loop_is_refused() -> None:
             raise AssertionError("no ConfigurationError")
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ Each trained model's predictions differ from its initial weights' (so a stale ex
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import subprocess
@@ -27,6 +28,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed, fake_devices_env
+from keras_util import classification_data, import_jaxdist_keras
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -35,11 +37,7 @@ NUM_DEVICES = 8
 ATOL = 2e-5
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_EXPORT_RESULTS=", devices=NUM_DEVICES, timeout=540, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_EXPORT_RESULTS=", devices=NUM_DEVICES, timeout=540, setup=import_jaxdist_keras)
 check = CHECKS.check
 
 #: Run with ``python -c LOADER artifact_dir inputs.npy outputs.npy``: a process without jaxdist and Keras
@@ -85,14 +83,7 @@ print("LOADED", len(weights))
 # ---------------------------------------------------------------------------------------
 
 
-def _data(n: int = 96, d: int = 12, classes: int = 4, seed: int = 0) -> tuple[Any, Any]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    w = rng.normal(size=(d, classes)).astype(np.float32)
-    y = np.argmax(x @ w + 0.5 * rng.normal(size=(n, classes)), axis=1).astype(np.int32)
-    return x, y
+_data = functools.partial(classification_data, n=96, d=12, classes=4)
 
 
 def _model(batchnorm: bool = True) -> Any:
@@ -272,7 +263,7 @@ def export_refuses_what_it_cannot_honour() -> None:
         # A fixed batch size: the artifact takes exactly that shape.
         sig = jax.ShapeDtypeStruct((5, 12), np.float32)
         artifact = jaxdist.keras.export_model(model, root / "fixed", format="jax", input_signature=sig)
-        x, _ = _data(5)
+        x, _ = _data(n=5)
         np.testing.assert_allclose(_load_blocked(artifact, x), model.predict(x, verbose=0), atol=ATOL)
 
 
@@ -290,7 +281,7 @@ def export_bfloat16_weights_are_stored_as_float32() -> None:
         model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(4)])
     finally:
         keras.config.set_dtype_policy("float32")
-    x, _ = _data(8)
+    x, _ = _data(n=8)
     with tempfile.TemporaryDirectory() as tmp:
         artifact = jaxdist.keras.export_model(model, Path(tmp) / "a", format="jax")
         manifest = json.loads((artifact / "manifest.json").read_text())
@@ -330,7 +321,7 @@ def export_subclassed_and_two_input_models() -> None:
             return self.dense(x) * 2.0
 
     sub = Sub()
-    x, _ = _data(10)
+    x, _ = _data(n=10)
     sub(x)
     a, b = keras.Input((5,)), keras.Input((7,))
     two = keras.Model([a, b], keras.layers.Dense(2)(keras.layers.Concatenate()([a, b])))
@@ -377,8 +368,8 @@ def _creator_equals_batches(strategy: Any) -> None:
     import jaxdist.keras
 
     r = strategy.num_replicas_in_sync
-    x, y = _data(96)
-    xv, yv = _data(64, seed=1)
+    x, y = _data(n=96)
+    xv, yv = _data(n=64, seed=1)
     train, val = _PerReplica(x, y, 32), _PerReplica(xv, yv, 32)
     keras.utils.set_random_seed(5)
     with strategy.scope():
@@ -423,7 +414,7 @@ def dataset_creator_refusals_are_clear() -> None:
     import jaxdist
     import jaxdist.keras
 
-    x, y = _data(32)
+    x, y = _data(n=32)
     with jaxdist.MirroredStrategy().scope():
         model = _model()
     creator = jaxdist.keras.DatasetCreator(_PerReplica(x, y, 32))
@@ -448,9 +439,7 @@ def dataset_creator_refusals_are_clear() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow
@@ -466,7 +455,7 @@ def test_export_and_dataset_creator_on_8_fake_devices(name: str, check_results: 
                     reason="TensorFlow is not installed: the tf_saved_model export needs it (the 8-device checks "
                            "check its ExportDependencyError instead)")
 def test_tf_saved_model_predicts_the_trained_model() -> None:
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_keras_export as t; t._setup(); "
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import test_keras_export as t; t.import_jaxdist_keras(); "
             "t.export_one_device(); print('SAVED_MODEL_OK')")
     proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=fake_devices_env(1),
                           capture_output=True, text=True, timeout=280)

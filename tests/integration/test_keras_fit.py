@@ -13,6 +13,7 @@ the same global batch.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import subprocess
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed, fake_devices_env
+from keras_util import classification_data, import_jaxdist_keras
 
 # Not imported here: Keras picks its backend at import, and the pytest process must stay Keras-free.
 if importlib.util.find_spec("keras") is None:
@@ -35,11 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ATOL = 2e-5
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_CHECK_RESULTS=", devices=NUM_DEVICES, timeout=540, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_CHECK_RESULTS=", devices=NUM_DEVICES, timeout=540, setup=import_jaxdist_keras)
 check = CHECKS.check
 
 
@@ -48,14 +46,7 @@ check = CHECKS.check
 # ---------------------------------------------------------------------------------------
 
 
-def _data(n: int = 100, d: int = 12, classes: int = 4, seed: int = 0) -> tuple[Any, Any]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    w = rng.normal(size=(d, classes)).astype(np.float32)
-    y = np.argmax(x @ w + 0.5 * rng.normal(size=(n, classes)), axis=1).astype(np.int32)
-    return x, y
+_data = functools.partial(classification_data, n=100, d=12, classes=4)
 
 
 def _model(kind: str, d: int = 12, classes: int = 4) -> Any:
@@ -385,9 +376,7 @@ def a_model_keeps_its_strategy_outside_the_scope_and_in_other_threads() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

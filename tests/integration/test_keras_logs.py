@@ -15,16 +15,13 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from keras_util import import_jaxdist_keras
 
 if importlib.util.find_spec("keras") is None or importlib.util.find_spec("tensorboardX") is None:
     pytest.skip("needs the keras and tensorboard extras: pip install 'jaxdist[keras,tensorboard]'", allow_module_level=True)
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_LOGS_RESULTS=", timeout=300, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_LOGS_RESULTS=", timeout=300, setup=import_jaxdist_keras)
 check = CHECKS.check
 
 ROWS, GBS, EPOCHS = 100, 32, 3  # 4 batches an epoch, the last one short (4 rows)
@@ -186,9 +183,7 @@ def what_needs_tensorflow_is_refused_not_ignored() -> None:
         raise AssertionError(f"TensorBoard({kwargs}) did not raise {error.__name__}")
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

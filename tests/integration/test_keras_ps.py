@@ -10,6 +10,7 @@ in the same order).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from keras_util import classification_data
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -42,14 +44,7 @@ def check(fn: Callable[[], None]) -> Callable[[], None]:
 # ---------------------------------------------------------------------------------------
 
 
-def _data(n: int = 192, d: int = 8, classes: int = 3, seed: int = 0) -> tuple[Any, Any]:
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    w = rng.normal(size=(d, classes)).astype(np.float32)
-    y = np.argmax(x @ w + 0.3 * rng.normal(size=(n, classes)), axis=1).astype(np.int32)
-    return x, y
+_data = functools.partial(classification_data, n=192, d=8, classes=3, noise=0.3)
 
 
 class Batches:

@@ -16,12 +16,14 @@ jaxdist, within 1e-5. Keras picks its backend at import, so the checks run in on
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from keras_util import guide_images, import_jaxdist_keras
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -31,24 +33,11 @@ EPOCHS = 2
 TOL = 1e-5
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_PS_LOOP_RESULTS=", devices=1, timeout=600, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_PS_LOOP_RESULTS=", devices=1, timeout=600, setup=import_jaxdist_keras)
 check = CHECKS.check
 
 
-def _data() -> tuple[list[Any], list[Any]]:
-    """96 training and 64 test 8x8x1 images with 10 classes, in batches of GLOBAL_BATCH."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(160, 8, 8, 1)).astype(np.float32)
-    y = rng.integers(0, 10, size=(160,)).astype(np.int32)
-    train = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(0, 96, GLOBAL_BATCH)]
-    test = [(x[i : i + GLOBAL_BATCH], y[i : i + GLOBAL_BATCH]) for i in range(96, 160, GLOBAL_BATCH)]
-    return train, test
+_data = functools.partial(guide_images, GLOBAL_BATCH)
 
 
 def _parts(strategy: Any, weights: list[Any] | None = None) -> dict[str, Any]:
@@ -354,9 +343,7 @@ def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
         assert len(optimizers) == 2
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from keras_util import import_jaxdist_keras
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -20,11 +21,7 @@ if importlib.util.find_spec("keras") is None:
 HALF = 16  # rows per replica: GLOBAL_BATCH (32) over 2 replicas
 
 
-def _setup() -> None:
-    import jaxdist.keras  # noqa: F401  (selects the JAX backend before keras is imported)
-
-
-CHECKS = DeviceChecks(__file__, "KERAS_PS_LOOP_REPLICAS_RESULTS=", devices=2, timeout=600, setup=_setup)
+CHECKS = DeviceChecks(__file__, "KERAS_PS_LOOP_REPLICAS_RESULTS=", devices=2, timeout=600, setup=import_jaxdist_keras)
 
 
 class Halves:
@@ -106,9 +103,7 @@ def guide_with_two_replicas_per_worker_matches_one_device_keras() -> None:
                 np.testing.assert_allclose(v, want[k], atol=base.TOL, rtol=base.TOL, err_msg=k)
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from sync_util import global_batches, mlp_data, per_example_loss, reference_training
 
 NUM_DEVICES = 8
 
@@ -27,59 +28,6 @@ check = CHECKS.check
 # ---------------------------------------------------------------------------------------
 
 GBS = 32
-
-
-def _data(n: int = 100, d: int = 12, classes: int = 4, seed: int = 0) -> tuple[Any, Any, Any]:
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    y = rng.integers(0, classes, size=(n,)).astype(np.int32)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    params = {
-        "w1": np.asarray(jax.random.normal(k1, (d, 16)) * 0.3),
-        "b1": np.zeros((16,), np.float32),
-        "w2": np.asarray(jax.random.normal(k2, (16, classes)) * 0.3),
-        "b2": np.zeros((classes,), np.float32),
-    }
-    return params, x, y
-
-
-def _logits(p: Any, x: Any) -> Any:
-    import jax
-
-    return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-
-
-def _per_example(p: Any, x: Any, y: Any) -> Any:
-    import optax
-
-    return optax.softmax_cross_entropy_with_integer_labels(_logits(p, x), y)
-
-
-def _batches(x: Any, y: Any, gbs: int = GBS) -> list[tuple[Any, Any]]:
-    return [(x[i : i + gbs], y[i : i + gbs]) for i in range(0, len(x), gbs)]
-
-
-def _reference(params: Any, batches: list, tx: Any, epochs: int = 1) -> Any:
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    @jax.jit
-    def step(p: Any, o: Any, x: Any, y: Any) -> Any:
-        g = jax.grad(lambda p: jnp.sum(_per_example(p, x, y)) / GBS)(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    p = jax.tree.map(jnp.asarray, params)
-    o = tx.init(p)
-    for _ in range(epochs):
-        for x, y in batches:
-            p, o = step(p, o, x, y)
-    return jax.tree.map(np.asarray, p)
 
 
 def _close(a: Any, b: Any, rtol: float = 1e-5, atol: float = 1e-6) -> None:
@@ -102,7 +50,7 @@ def _model(strategy: Any, params: Any, tx: Any) -> tuple[Any, Any, Callable[...,
 
     def train_step(batch: Any) -> Any:
         x, y = batch
-        loss, grads = jax.value_and_grad(lambda p: jaxdist.compute_average_loss(_per_example(p, x, y), GBS))(
+        loss, grads = jax.value_and_grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, x, y), GBS))(
             jaxdist.read_variables(variables)
         )
         optimizer.apply_gradients(zip(jax.tree.leaves(grads), jax.tree.leaves(variables)))
@@ -132,10 +80,10 @@ def tf_pattern_matches_single_device_on_every_strategy() -> None:
 
     import jaxdist
 
-    params, x, y = _data()
-    batches = _batches(x, y)  # 32, 32, 32 and a short 4: no mask, no drop_remainder
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)  # 32, 32, 32 and a short 4: no mask, no drop_remainder
     tx = optax.sgd(0.1, momentum=0.9)
-    ref = _reference(params, batches, tx, epochs=2)
+    ref = reference_training(params, batches, tx, GBS, epochs=2)
     os.environ["JAXDIST_TPU_FAKE_DEVICES"] = "cpu"
     try:
         strategies = [
@@ -170,17 +118,17 @@ def forgetting_the_all_reduce_is_a_loud_error() -> None:
     import jaxdist
     from jaxdist.errors import ConfigurationError
 
-    params, x, y = _data()
+    params, x, y = mlp_data()
     s = jaxdist.MirroredStrategy()
     with s.scope():
         v = jaxdist.create_variables(params)
         summed = jaxdist.create_variable(np.zeros((), np.float32), name="summed", aggregation="sum")
         first = jaxdist.create_variable(np.zeros((), np.float32), name="first", aggregation="only_first_replica")
-    batch = next(iter(s.experimental_distribute_dataset(_batches(x, y))))
+    batch = next(iter(s.experimental_distribute_dataset(global_batches(x, y, GBS))))
 
     def manual_sgd(batch: Any) -> None:  # gradients used without an all-reduce: every replica would drift
         bx, by = batch
-        g = jax.grad(lambda p: jaxdist.compute_average_loss(_per_example(p, bx, by), GBS))(jaxdist.read_variables(v))
+        g = jax.grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, bx, by), GBS))(jaxdist.read_variables(v))
         for var, grad in zip(jax.tree.leaves(v), jax.tree.leaves(g)):
             var.assign_sub(0.1 * grad)
 
@@ -191,7 +139,7 @@ def forgetting_the_all_reduce_is_a_loud_error() -> None:
 
     def unaggregated(batch: Any) -> None:
         bx, by = batch
-        g = jax.grad(lambda p: jaxdist.compute_average_loss(_per_example(p, bx, by), GBS))(jaxdist.read_variables(v))
+        g = jax.grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, bx, by), GBS))(jaxdist.read_variables(v))
         opt.apply_gradients(zip(jax.tree.leaves(g), jax.tree.leaves(v)), skip_gradients_aggregation=True)
 
     with s.scope():
@@ -225,10 +173,10 @@ def compiled_loops_match_step_by_step() -> None:
     import jaxdist
     import jaxdist.sync as sd
 
-    params, x, y = _data()
-    batches = _batches(x, y)
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)
     tx = optax.sgd(0.1, momentum=0.9)
-    ref = _reference(params, batches, tx, epochs=2)
+    ref = reference_training(params, batches, tx, GBS, epochs=2)
 
     # jax.jit around a function that calls run and reduce (functional state: no variables).
     s = jaxdist.MirroredStrategy()
@@ -237,7 +185,7 @@ def compiled_loops_match_step_by_step() -> None:
 
     def functional_step(p: Any, o: Any, batch: Any) -> Any:
         bx, by = batch
-        loss, g = jax.value_and_grad(lambda p: sd.compute_average_loss(_per_example(p, bx, by), GBS))(p)
+        loss, g = jax.value_and_grad(lambda p: sd.compute_average_loss(per_example_loss(p, bx, by), GBS))(p)
         g = sd.get_replica_context().all_reduce("sum", g)
         u, o = tx.update(g, o, p)
         return optax.apply_updates(p, u), o, loss
@@ -527,10 +475,10 @@ def cross_device_ops_choose_the_collective() -> None:
 
     import jaxdist
 
-    params, x, y = _data()
-    batches = _batches(x, y)
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)
     tx = optax.sgd(0.1)
-    ref = _reference(params, batches, tx)
+    ref = reference_training(params, batches, tx, GBS, epochs=1)
     added: list[int] = []
 
     def add_n(values: list[Any]) -> Any:
@@ -607,13 +555,13 @@ def tpu_setup_with_a_non_trivial_device_assignment() -> None:
         assert list(s.devices) == want and s.cluster_resolver is resolver and s.experimental_device_assignment is da
         ids = s.run(lambda: jaxdist.get_replica_context().replica_id_in_sync_group)
         assert [(int(v), next(iter(v.devices())).id) for v in ids.values] == [(0, 7), (1, 2), (2, 5), (3, 0)]
-        params, x, y = _data()
-        batches = _batches(x, y)
+        params, x, y = mlp_data()
+        batches = global_batches(x, y, GBS)
         tx = optax.adam(0.01)
         variables, _, train_step = _model(s, params, tx)
         for b in s.experimental_distribute_dataset(batches):
             s.run(train_step, args=(b,))
-        _close(jaxdist.read_variables(variables), _reference(params, batches, tx), rtol=2e-5, atol=2e-6)
+        _close(jaxdist.read_variables(variables), reference_training(params, batches, tx, GBS, epochs=1), rtol=2e-5, atol=2e-6)
         ring = jaxdist.DeviceAssignment.build(topology, num_replicas=4, device_order_mode="RING")
         assert [ring.coordinates(r, 0)[:2] for r in range(4)] == [(0, 0), (1, 0), (1, 1), (0, 1)]  # a snake
         assert jaxdist.TPUStrategy(device_assignment=ring).num_replicas_in_sync == 4  # TF1's keyword
@@ -636,10 +584,10 @@ def checkpoints_move_between_sync_strategies() -> None:
 
     import jaxdist
 
-    params, x, y = _data()
-    batches = _batches(x, y)
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)
     tx = optax.adam(0.01)
-    ref = _reference(params, batches, tx, epochs=2)
+    ref = reference_training(params, batches, tx, GBS, epochs=2)
     tmp = tempfile.mkdtemp(prefix="jaxdist-sync-ckpt-")
     try:
         s = jaxdist.MirroredStrategy()
@@ -671,9 +619,7 @@ def checkpoints_move_between_sync_strategies() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from sync_util import global_batches, mlp_data, per_example_loss, reference_training
 
 NUM_DEVICES = 8
 GBS = 32
@@ -28,56 +29,6 @@ check = CHECKS.check
 # ---------------------------------------------------------------------------------------
 
 
-def _data(n: int = 100, d: int = 12, classes: int = 4, seed: int = 0) -> tuple[Any, Any, Any]:
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    y = rng.integers(0, classes, size=(n,)).astype(np.int32)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    params = {
-        "w1": np.asarray(jax.random.normal(k1, (d, 16)) * 0.3),
-        "b1": np.zeros((16,), np.float32),
-        "w2": np.asarray(jax.random.normal(k2, (16, classes)) * 0.3),
-        "b2": np.zeros((classes,), np.float32),
-    }
-    return params, x, y
-
-
-def _per_example(p: Any, x: Any, y: Any) -> Any:
-    import jax
-    import optax
-
-    logits = jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
-
-
-def _batches(x: Any, y: Any) -> list[tuple[Any, Any]]:
-    return [(x[i : i + GBS], y[i : i + GBS]) for i in range(0, len(x), GBS)]
-
-
-def _reference(params: Any, batches: list, tx: Any, epochs: int = 2) -> Any:
-    """The same training on one device, no strategy at all."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    @jax.jit
-    def step(p: Any, o: Any, x: Any, y: Any) -> Any:
-        g = jax.grad(lambda p: jnp.sum(_per_example(p, x, y)) / GBS)(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    p = jax.tree.map(jnp.asarray, params)
-    o = tx.init(p)
-    for _ in range(epochs):
-        for bx, by in batches:
-            p, o = step(p, o, bx, by)
-    return jax.tree.map(np.asarray, p)
-
-
 def _grad_step(params: Any, batch: Any, lr: float = 0.1) -> Any:
     """One plain SGD step on one device (what each run_steps step computes from the same params)."""
     import jax
@@ -85,7 +36,7 @@ def _grad_step(params: Any, batch: Any, lr: float = 0.1) -> Any:
     import numpy as np
 
     bx, by = batch
-    g = jax.grad(lambda p: jnp.sum(_per_example(p, bx, by)) / GBS)(jax.tree.map(jnp.asarray, params))
+    g = jax.grad(lambda p: jnp.sum(per_example_loss(p, bx, by)) / GBS)(jax.tree.map(jnp.asarray, params))
     return jax.tree.map(lambda a, b: np.asarray(a - lr * b), params, g)
 
 
@@ -98,7 +49,7 @@ def _functional_step(tx: Any, all_reduce: bool, declare: bool = True) -> Callabl
 
     def train_step(p: Any, o: Any, batch: Any) -> Any:
         bx, by = batch
-        loss, g = jax.value_and_grad(lambda p: jaxdist.compute_average_loss(_per_example(p, bx, by), GBS))(p)
+        loss, g = jax.value_and_grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, bx, by), GBS))(p)
         if all_reduce:
             g = jaxdist.get_replica_context().all_reduce("sum", g)
         u, o = tx.update(g, o, p)
@@ -179,14 +130,14 @@ def forgotten_all_reduce_with_declaration_raises_on_every_strategy() -> None:
     import jaxdist
     from jaxdist.errors import ConfigurationError
 
-    params, x, y = _data()
+    params, x, y = mlp_data()
     tx = optax.sgd(0.1, momentum=0.9)
     step = _functional_step(tx, all_reduce=False)
     strategies = _mesh_strategies()
     try:
         for s in strategies:
             p, o = s.replicate(params), s.replicate(tx.init(params))
-            batch = next(iter(s.experimental_distribute_dataset(_batches(x, y))))
+            batch = next(iter(s.experimental_distribute_dataset(global_batches(x, y, GBS))))
             e = _expect(ConfigurationError, "declared replicated may differ between replicas", lambda: s.run(step, args=(p, o, batch)))
             msg = str(e)
             # names the output path (params and the momentum trace) and how to fix it
@@ -217,15 +168,15 @@ def declared_values_that_fn_does_not_return_are_checked_too() -> None:
     import jaxdist
     from jaxdist.errors import ConfigurationError
 
-    params, x, y = _data()
+    params, x, y = mlp_data()
     s = jaxdist.MirroredStrategy()
     p = s.replicate(params)
-    batch = next(iter(s.experimental_distribute_dataset(_batches(x, y))))
+    batch = next(iter(s.experimental_distribute_dataset(global_batches(x, y, GBS))))
 
     def grads_only(all_reduce: bool) -> Callable[..., Any]:
         def fn(p: Any, batch: Any) -> Any:
             bx, by = batch
-            g = jax.grad(lambda p: jaxdist.compute_average_loss(_per_example(p, bx, by), GBS))(p)
+            g = jax.grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, bx, by), GBS))(p)
             if all_reduce:
                 g = jaxdist.get_replica_context().all_reduce("sum", g)
             g = jaxdist.replicated(g)  # an assertion in the middle of fn
@@ -277,10 +228,10 @@ def all_reduced_step_returns_replicated_params_equal_to_one_device() -> None:
 
     import jaxdist
 
-    params, x, y = _data()
-    batches = _batches(x, y)  # 32, 32, 32 and a short 4
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)  # 32, 32, 32 and a short 4
     tx = optax.sgd(0.1, momentum=0.9)
-    ref = _reference(params, batches, tx)
+    ref = reference_training(params, batches, tx, GBS, epochs=2)
     step = _functional_step(tx, all_reduce=True)
     strategies = _mesh_strategies()
     try:
@@ -325,14 +276,14 @@ def declaration_under_run_steps_and_run_epoch() -> None:
     import jaxdist
     from jaxdist.errors import ConfigurationError
 
-    params, x, y = _data()
-    batches = _batches(x, y)
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)
     expected = [_grad_step(params, b) for b in batches]
 
     def sgd_from(all_reduce: bool) -> Callable[..., Any]:
         def step(batch: Any, p: Any) -> Any:
             bx, by = batch
-            g = jax.grad(lambda p: jaxdist.compute_average_loss(_per_example(p, bx, by), GBS))(p)
+            g = jax.grad(lambda p: jaxdist.compute_average_loss(per_example_loss(p, bx, by), GBS))(p)
             if all_reduce:
                 g = jaxdist.get_replica_context().all_reduce("sum", g)
             return jaxdist.replicated(jax.tree.map(lambda a, b: a - 0.1 * b, p, g))
@@ -376,8 +327,8 @@ def the_original_trap_is_loud() -> None:
     import jaxdist
     from jaxdist.errors import ConfigurationError
 
-    params, x, y = _data()
-    batches = _batches(x, y)
+    params, x, y = mlp_data()
+    batches = global_batches(x, y, GBS)
     tx = optax.sgd(0.1)
     records = _Records()
     logging.getLogger("jaxdist.sync.loops").addHandler(records)
@@ -420,9 +371,7 @@ def the_original_trap_is_loud() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

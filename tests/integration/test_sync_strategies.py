@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from device_checks import DeviceChecks, assert_passed
+from sync_util import global_batches, mlp_data, per_example_loss, reference_training
 
 NUM_DEVICES = 8
 
@@ -26,63 +27,10 @@ CHECKS = DeviceChecks(__file__, "SYNC_CHECK_RESULTS=", timeout=240)
 check = CHECKS.check
 
 
-def _model_and_data(n: int = 100, d: int = 12, classes: int = 4, seed: int = 0) -> tuple[Any, Any, Any]:
-    import jax
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, d)).astype(np.float32)
-    y = rng.integers(0, classes, size=(n,)).astype(np.int32)
-    k1, k2 = jax.random.split(jax.random.PRNGKey(seed))
-    params = {
-        "w1": np.asarray(jax.random.normal(k1, (d, 16)) * 0.3),
-        "b1": np.zeros((16,), np.float32),
-        "w2": np.asarray(jax.random.normal(k2, (16, classes)) * 0.3),
-        "b2": np.zeros((classes,), np.float32),
-    }
-    return params, x, y
-
-
-def _per_example_loss(params: Any, x: Any, y: Any) -> Any:
-    import jax
-    import optax
-
-    h = jax.nn.relu(x @ params["w1"] + params["b1"])
-    logits = h @ params["w2"] + params["b2"]
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y)
-
-
 def _tx() -> Any:
     import optax
 
     return optax.sgd(0.1, momentum=0.9)
-
-
-def _batches(x: Any, y: Any, gbs: int) -> list[tuple[Any, Any]]:
-    return [(x[i : i + gbs], y[i : i + gbs]) for i in range(0, len(x), gbs)]
-
-
-def _reference(params: Any, batches: list, gbs: int, epochs: int = 1) -> Any:
-    """Single-device training on the global batches (loss = sum / global batch size)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    tx = _tx()
-
-    @jax.jit
-    def step(p: Any, o: Any, x: Any, y: Any) -> Any:
-        g = jax.grad(lambda p: jnp.sum(_per_example_loss(p, x, y)) / gbs)(p)
-        u, o = tx.update(g, o, p)
-        return optax.apply_updates(p, u), o
-
-    p = jax.tree.map(jnp.asarray, params)
-    o = tx.init(p)
-    for _ in range(epochs):
-        for x, y in batches:
-            p, o = step(p, o, x, y)
-    return jax.tree.map(np.asarray, p)
 
 
 def _train(strategy: Any, params: Any, batches: list, gbs: int, epochs: int = 1, with_mask: bool = False) -> Any:
@@ -101,7 +49,7 @@ def _train(strategy: Any, params: Any, batches: list, gbs: int, epochs: int = 1,
             (x, y), mask = batch, None
 
         def loss_fn(p: Any) -> Any:
-            return sd.compute_average_loss(_per_example_loss(p, x, y), gbs, sample_weight=mask)
+            return sd.compute_average_loss(per_example_loss(p, x, y), gbs, sample_weight=mask)
 
         loss, g = jax.value_and_grad(loss_fn)(p)
         g = sd.get_replica_context().all_reduce(sd.ReduceOp.SUM, g)
@@ -133,21 +81,21 @@ def mirrored_training_matches_single_device() -> None:
 
     import jaxdist.sync as sd
 
-    params, x, y = _model_and_data(n=96)
-    batches = _batches(x, y, 32)
+    params, x, y = mlp_data(n=96)
+    batches = global_batches(x, y, 32)
     s = sd.MirroredStrategy()
     assert s.num_replicas_in_sync == 8 and list(s.devices) == jax.local_devices()
-    _assert_tree_close(_train(s, params, batches, 32, epochs=2), _reference(params, batches, 32, epochs=2))
+    _assert_tree_close(_train(s, params, batches, 32, epochs=2), reference_training(params, batches, _tx(), 32, epochs=2))
 
 
 @check
 def mirrored_short_last_batch_with_mask_matches_single_device() -> None:
     import jaxdist.sync as sd
 
-    params, x, y = _model_and_data(n=100)  # 32, 32, 32, then 4 rows
-    batches = _batches(x, y, 32)
+    params, x, y = mlp_data(n=100)  # 32, 32, 32, then 4 rows
+    batches = global_batches(x, y, 32)
     got = _train(sd.MirroredStrategy(), params, batches, 32, epochs=2, with_mask=True)
-    _assert_tree_close(got, _reference(params, batches, 32, epochs=2))
+    _assert_tree_close(got, reference_training(params, batches, _tx(), 32, epochs=2))
 
 
 @check
@@ -165,9 +113,9 @@ def tpu_strategy_code_path_matches_single_device() -> None:
         assert "no TPU" in msg and "JAXDIST_TPU_FAKE_DEVICES=cpu" in msg and "devices=jax.devices('cpu')" in msg, msg
     else:
         raise AssertionError("TPUStrategy() without TPUs must raise ConfigurationError")
-    params, x, y = _model_and_data(n=64)
-    batches = _batches(x, y, 16)
-    ref = _reference(params, batches, 16)
+    params, x, y = mlp_data(n=64)
+    batches = global_batches(x, y, 16)
+    ref = reference_training(params, batches, _tx(), 16, epochs=1)
     os.environ["JAXDIST_TPU_FAKE_DEVICES"] = "cpu"
     try:
         s = sd.TPUStrategy()
@@ -184,9 +132,9 @@ def one_device_and_central_storage_match_single_device() -> None:
 
     import jaxdist.sync as sd
 
-    params, x, y = _model_and_data(n=64)
-    batches = _batches(x, y, 16)
-    ref = _reference(params, batches, 16)
+    params, x, y = mlp_data(n=64)
+    batches = global_batches(x, y, 16)
+    ref = reference_training(params, batches, _tx(), 16, epochs=1)
     one = sd.OneDeviceStrategy("cpu:3")
     assert one.device == jax.devices()[3] and one.num_replicas_in_sync == 1
     first = next(iter(one.experimental_distribute_dataset(batches)))
@@ -495,9 +443,7 @@ def contexts_follow_tf() -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def check_results() -> dict[str, str | None]:
-    return CHECKS.collect()
+check_results = CHECKS.results_fixture()
 
 
 @pytest.mark.slow

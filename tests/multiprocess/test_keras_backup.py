@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ if importlib.util.find_spec("keras") is None:
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from device_checks import fake_devices_env  # noqa: E402
+from mwms_util import finish, free_port  # noqa: E402
 
 SCRIPT = textwrap.dedent(
     """
@@ -131,12 +131,6 @@ def test_sigkill_mid_epoch_and_rerun_ends_with_the_uninterrupted_weights(
     assert not resumed["backup_left"]  # delete_checkpoint: the finished run removed it
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupted_weights(tmp_path: Path) -> None:
@@ -149,23 +143,13 @@ def test_multi_worker_sigkill_of_one_process_and_rerun_ends_with_the_uninterrupt
     backup = tmp_path / "backup"
 
     def run(kill_at: str, dirs: tuple[Path, Path] = (backup, backup)) -> list[subprocess.CompletedProcess[str]]:
-        cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+        cluster = {"worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
         procs = []
         for i in range(2):
             env = dict(fake_devices_env(4), TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}))
             procs.append(subprocess.Popen([sys.executable, str(script), str(dirs[i]), "multi_worker", "1", kill_at, "2"],
                                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        done = []
-        try:
-            for p in procs:
-                out, err = p.communicate(timeout=280)
-                done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-        return done
+        return [subprocess.CompletedProcess(p.args, rc, out, err) for p, (rc, out, err) in zip(procs, finish(procs, 560))]
 
     killed = run("1,4")
     assert killed[0].returncode == -signal.SIGKILL and "KILLING" in killed[0].stdout, killed[0].stderr[-3000:]

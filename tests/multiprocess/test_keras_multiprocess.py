@@ -10,14 +10,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from mwms_util import run_reference_and_two_workers
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("needs the keras extra: pip install 'jaxdist[keras]'", allow_module_level=True)
@@ -160,25 +158,6 @@ def _child(mode: str, out: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(mode: str, out: Path, devices: int, tf_config: dict[str, Any] | None) -> subprocess.Popen[str]:
-    env = dict(os.environ)
-    for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_JOB_ID", "SLURM_PROCID", "KERAS_BACKEND",
-              "JAXDIST_TPU_FAKE_DEVICES"):
-        env.pop(k, None)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    if tf_config is not None:
-        env["TF_CONFIG"] = json.dumps(tf_config)
-    return subprocess.Popen([sys.executable, __file__, mode, str(out)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(400)
@@ -192,25 +171,7 @@ def test_keras_fit_on_two_processes_matches_single_device_keras(tmp_path: Path) 
     reference's export does."""
     import numpy as np
 
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
-    procs = [
-        _spawn("reference", tmp_path / "ref.npz", 1, None),
-        *(_spawn("worker", tmp_path / f"w{i}.npz", 4, {"cluster": cluster, "task": {"type": "worker", "index": i}})
-          for i in range(2)),
-    ]
-    deadline = time.monotonic() + 360
-    outs = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            outs.append((p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for name, (rc, so, se) in zip(("reference", "worker:0", "worker:1"), outs):
-        assert rc == 0 and "KERAS_DONE" in so, f"{name} failed (rc={rc}):\n{so[-2000:]}\n{se[-5000:]}"
+    run_reference_and_two_workers(__file__, tmp_path, "KERAS_DONE", timeout=360)
     ref = np.load(tmp_path / "ref.npz")
     w = [np.load(tmp_path / f"w{i}.npz") for i in range(2)]
     for i, got in enumerate(w):

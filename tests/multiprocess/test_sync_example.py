@@ -10,10 +10,7 @@ restore the latest one without a strategy to the last epoch's test accuracy.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,33 +18,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from mwms_util import free_port, job_env
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_training_loop.py"
 EPOCHS = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(devices: int, tf_config: dict | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_JOB_ID"):
-        env.pop(k, None)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    if tf_config is not None:
-        env["TF_CONFIG"] = json.dumps(tf_config)
-    return env
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_custom_training_loop_example_same_weights_on_every_strategy(tmp_path: Path) -> None:
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
+    cluster = {"worker": [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]}
     runs = {
         "mirrored": (["--strategy", "mirrored"], 8, None),
         "one_device": (["--strategy", "one_device"], 1, None),
@@ -62,7 +43,7 @@ def test_custom_training_loop_example_same_weights_on_every_strategy(tmp_path: P
             sys.executable, str(EXAMPLE), *args, "--epochs", str(EPOCHS), "--global-batch-size", "64",
             "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt), "--weights-out", str(tmp_path / f"{name}.npz"),
         ]
-        procs[name] = subprocess.Popen(cmd, env=_env(devices, tf_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[name] = subprocess.Popen(cmd, env=job_env(devices, tf_config), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outs = {}
     deadline = time.monotonic() + 400
     try:
@@ -109,7 +90,7 @@ def test_multi_worker_example_asks_for_a_shared_checkpoint_dir() -> None:
     cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}  # never contacted: the arguments are refused first
     p = subprocess.run(
         [sys.executable, str(EXAMPLE), "--strategy", "multi_worker", "--epochs", "1"],
-        env=_env(1, {"cluster": cluster, "task": {"type": "worker", "index": 1}}), capture_output=True, text=True, timeout=100,
+        env=job_env(1, {"cluster": cluster, "task": {"type": "worker", "index": 1}}), capture_output=True, text=True, timeout=100,
     )
     assert p.returncode == 2, (p.returncode, p.stdout[-1000:], p.stderr[-2000:])
     assert "--strategy multi_worker needs --checkpoint-dir" in p.stderr, p.stderr[-2000:]

@@ -7,10 +7,8 @@ depends on the JAX already imported by the pytest process.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mwms_util import finish, free_port, spawn, two_worker_configs
 
 GLOBAL_BATCH = 32
 #: How long a survivor of a killed peer gets to exit. Failing fast means being ended by a failure
@@ -214,56 +213,10 @@ def _child_loop_raise(progress_path: str) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(devices: int, tf_config: dict[str, Any] | None) -> dict[str, str]:
-    env = dict(os.environ)
-    for k in ("TF_CONFIG", "JAXDIST_CLUSTER", "JAXDIST_CLUSTER_RESOLVER", "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS"):
-        env.pop(k, None)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    if tf_config is not None:
-        env["TF_CONFIG"] = json.dumps(tf_config)
-    return env
-
-
 def _spawn(
     mode: str, arg: str, devices: int, tf_config: dict[str, Any] | None, extra_env: dict[str, str] | None = None
 ) -> subprocess.Popen[str]:
-    env = _env(devices, tf_config)
-    env.update(extra_env or {})
-    return subprocess.Popen(
-        [sys.executable, __file__, mode, arg],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _two_worker_configs() -> list[dict[str, Any]]:
-    cluster = {"worker": [f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"]}
-    return [{"cluster": cluster, "task": {"type": "worker", "index": i}} for i in range(2)]
-
-
-def _finish(procs: list[subprocess.Popen[str]], timeout: float) -> list[tuple[int, str, str]]:
-    deadline = time.monotonic() + timeout
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((p.returncode, so, se))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return out
+    return spawn(__file__, [mode, arg], devices, tf_config, extra_env=extra_env, stdin=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,8 +245,8 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
     the same parameters as 1 process x 8 devices; metrics agree exactly; one checkpoint per job, restored."""
     import numpy as np
 
-    cfgs = _two_worker_configs()
-    tpu_port = _free_port()
+    cfgs = two_worker_configs()
+    tpu_port = free_port()
     dirs = {g: tmp_path / f"ckpt_{g}" for g in ("ref", "mw", "tpu")}
     procs = [
         _spawn("train", str(tmp_path / "ref.npz"), 8, None, {"TEST_CKPT_DIR": str(dirs["ref"])}),
@@ -302,7 +255,7 @@ def test_two_processes_match_one_process(tmp_path: Path) -> None:
         _spawn("tpu", str(tmp_path / "t0.npz"), 4, None, {**_tpu_env(0, tpu_port), "TEST_CKPT_DIR": str(dirs["tpu"])}),
         _spawn("tpu", str(tmp_path / "t1.npz"), 4, None, {**_tpu_env(1, tpu_port), "TEST_CKPT_DIR": str(dirs["tpu"])}),
     ]
-    results = _finish(procs, timeout=280)
+    results = finish(procs, timeout=280)
     for name, (rc, so, se) in zip(("1x8", "worker:0", "worker:1", "tpu:0", "tpu:1"), results):
         assert rc == 0 and "TRAIN_DONE" in so, f"{name} failed (rc={rc}):\n{so[-2000:]}\n{se[-4000:]}"
     ref = np.load(tmp_path / "ref.npz")
@@ -330,7 +283,7 @@ def test_collective_timeout_fails_the_job(tmp_path: Path) -> None:
     """CommunicationOptions(timeout_seconds=2): a step stuck waiting for a peer ends process 0 with EXIT_PEER_FAILED."""
     from jaxdist.sync import EXIT_PEER_FAILED
 
-    cfgs = _two_worker_configs()
+    cfgs = two_worker_configs()
     procs = [_spawn("timeout", str(i), 1, cfgs[i]) for i in range(2)]
     try:
         try:
@@ -349,7 +302,7 @@ def test_collective_timeout_fails_the_job(tmp_path: Path) -> None:
 
 
 def _start_loop_pair(tmp_path: Path, mode: str = "loop") -> tuple[list[subprocess.Popen[str]], list[Path]]:
-    cfgs = _two_worker_configs()
+    cfgs = two_worker_configs()
     progress = [tmp_path / "p0.txt", tmp_path / "p1.txt"]
     procs = [_spawn(mode, str(progress[i]), 4, cfgs[i]) for i in range(2)]
     deadline = time.monotonic() + 90
@@ -381,7 +334,7 @@ def test_killed_worker_makes_survivor_fail_fast(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
-    (rc, _so, se), _ = _finish(procs, timeout=5)
+    (rc, _so, se), _ = finish(procs, timeout=5)
     assert rc == EXIT_PEER_FAILED, f"survivor rc={rc} after {elapsed:.1f}s:\n{se[-4000:]}"
     # Ended by the peer heartbeats (process 0 hosts their state): worker:1 fell silent, not a timed-out step.
     assert "PeerFailedError" in se and "worker:1 (process 1) sent no heartbeat" in se and "presumed dead" in se, se[-3000:]
@@ -405,7 +358,7 @@ def test_killed_chief_makes_survivor_fail_fast(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
-    _, (rc, _so, se) = _finish(procs, timeout=5)
+    _, (rc, _so, se) = finish(procs, timeout=5)
     assert rc != 0 and rc is not None, f"survivor rc={rc} after {elapsed:.1f}s"
     # Ended by a failure detector (JAX's runtime client, or jaxdist's heartbeats as the backstop), not a hang.
     assert "another task died" in se or "PeerFailedError" in se, se[-3000:]
@@ -431,7 +384,7 @@ def test_killed_worker_raises_typed_error_in_raise_mode(tmp_path: Path) -> None:
     except subprocess.TimeoutExpired:
         pass
     elapsed = time.monotonic() - killed_at
-    (rc, so, se), _ = _finish(procs, timeout=5)
+    (rc, so, se), _ = finish(procs, timeout=5)
     assert "CAUGHT PeerFailedError task=worker:1 rank=1" in so, f"rc={rc}\n{so[-1000:]}\n{se[-3000:]}"
     assert rc == EXIT_PEER_FAILED, f"rc={rc} after {elapsed:.1f}s\n{se[-3000:]}"
     assert "worker:1 (process 1) sent no heartbeat" in so and "presumed dead" in so, so[-3000:]  # the heartbeats ended it
