@@ -429,8 +429,10 @@ class Cluster:
         )
 
     def worker_configured(self, handle: WorkerHandle, incarnation: str) -> None:
-        if self.steps is not None:  # (re)joins the steps before it takes a closure
-            self.steps.worker_joined(handle.index)
+        # (Re)joins the steps before it takes a closure. Not a member on every PS yet (a PS did not
+        # answer): it stays unhealthy, takes nothing, and the dispatcher configures it again.
+        if self.steps is not None and not self.steps.worker_joined(handle.index):
+            return
         # Under the resource lock: a resource created meanwhile either sees the worker healthy (and
         # queues it there) or is among the resources rebuilt here; never neither.
         with self._resource_lock:
