@@ -453,6 +453,11 @@ class Cluster:
             if type(d) is fh.Fail:
                 d.closure.fail(d.error, pushed=d.pushed)
                 q.mark_failed(d.error)
+                # Under synchronous steps its push may be staged and never committed: the steps would wait
+                # for it forever (and join() for the closures held at the barrier). Withdraw it; a worker
+                # that cannot rejoin every PS now is configured again (it takes nothing meanwhile).
+                if d.pushed and d.worker >= 0 and self.steps is not None and not self.steps.withdraw(d.worker):
+                    self.apply(self.failures.reconfigure(d.worker, "it could not rejoin the synchronous steps"))
             elif type(d) is fh.InputFailed:
                 d.closure.fail(d.error)
                 q.mark_failed(d.error, record=False)

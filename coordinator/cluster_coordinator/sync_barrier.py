@@ -30,6 +30,12 @@ decides it, the same way on every PS:
   every PS it takes no closure, and the dispatcher configures it again.
   Giving up instead left a member that no step could pass (steps waited for
   it forever, and ``join()`` for the closures blocked at the barrier).
+- **a closure that failed for good after a push** (a user error, a PS that
+  refused it): the gradients it staged for its worker's step are never
+  committed, and the step would wait for them forever. Its worker is
+  dropped (the uncommitted contribution discarded on every PS) and joins
+  again at once; if a PS does not answer, the worker is configured again
+  (and takes no closure) until it can join.
 - **a worker (re)configured** (it came back, or joined): it joins the steps
   from the step being formed, with the same first step on every PS.
 - **idle workers**: a step can wait for a worker that has no closure to run
@@ -214,6 +220,24 @@ class StepBarrier:
         logger.info("worker:%d joined the synchronous steps at step %d", worker, step)
         return True
 
+    def withdraw(self, worker: int) -> bool:
+        """A closure of member ``worker`` failed for good after it may have pushed: the gradients it
+        staged for its current step will never be committed, and the steps would wait for that commit
+        forever (an idle member with an uncommitted contribution is never skipped). Drop ``worker`` on
+        every PS (its uncommitted contribution discarded, a step committed on some PS kept) and join it
+        again from the step being formed. Returns whether it is a member on every PS again (False: a PS
+        did not answer; the drop is retried, and the caller keeps it from taking closures until
+        :meth:`worker_joined` returns True). Not a member (it left): nothing to do, True."""
+        with self._lock:
+            if worker in self._dropping:
+                return False
+            if worker not in self._members:
+                return True
+            self._dropping[worker] = None
+            if not self._drop(worker):
+                return False
+        return self.worker_joined(worker)
+
     @property
     def pending_drops(self) -> frozenset[int]:
         """Failed workers whose drop has not reached every PS yet (a PS did not answer; retried)."""
@@ -251,7 +275,7 @@ class StepBarrier:
         if keep >= 0:
             what = f"its committed step {keep} counts"
         elif any(r.staged_steps for r in fenced):
-            what = "its uncommitted gradients were discarded; its closure runs again elsewhere"
+            what = "its uncommitted gradients were discarded"
         else:
             what = "it had no uncommitted gradients"
         logger.info("worker:%d left the synchronous steps (%s)", worker, what)

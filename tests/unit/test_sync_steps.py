@@ -498,3 +498,37 @@ def test_a_drop_retried_keeps_the_step_its_fence_round_decided_on_every_ps() -> 
     finally:
         q.stop()
         barrier.stop()
+
+
+def test_a_closure_failed_after_a_partial_push_is_withdrawn_from_the_steps() -> None:
+    """A closure of worker 1 pushed to ps:1, then its push to ps:0 failed (ps:0 refused it) and the
+    closure failed for good: its gradient is staged on ps:1 and will never be committed. Worker 1 is a
+    healthy, idle member with an uncommitted contribution, so the barrier never skips it (plan_skips: not
+    idle), and worker 0 would wait at step 1 forever (join() with it). Withdrawing worker 1 discards the
+    staged gradient on every PS and joins it again at the step being formed."""
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0, 1])
+    try:
+        p0, p1 = ps.clients
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+        p1.clock.stage(1, "b/0", [grad("w", 3.0)], pulled_at=0)
+        assert plan_skips(barrier.reports()) is None  # worker 1 is not idle: never skipped
+        assert barrier.withdraw(1)
+        assert p0.applied == p1.applied == [(0, [0])]  # step 0 with worker 0's gradient alone, on both PS
+        assert p0.clock.clocks == p1.clock.clocks == {0: 1, 1: 1}
+        assert barrier.members == {0, 1} and not p1.clock._fenced
+        assert barrier.withdraw(2)  # not a member (it left): nothing to do
+        # A PS that does not answer: not a member everywhere again (the caller configures it again).
+        p1.clock.stage(1, "b/1", [grad("w", 3.0)], pulled_at=1)
+        p0.down = {SyncKind.FENCE}
+        assert not barrier.withdraw(1)
+        assert not barrier.worker_joined(1)
+        p0.down = set()
+        assert barrier.worker_joined(1)  # the drop completed first, then the join
+        assert p0.clock.clocks == p1.clock.clocks == {0: 1, 1: 1} and not p1.clock._fenced
+        assert p1.clock.report().uncommitted == 0  # worker 1's step-1 gradient is gone
+    finally:
+        q.stop()
+        barrier.stop()
