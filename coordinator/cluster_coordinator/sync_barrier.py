@@ -212,7 +212,14 @@ class StepBarrier:
                 return True
             try:
                 step = max(r.applied for r in self._all(SyncKind.STATUS))
-                self._all(SyncKind.JOIN, contributor=worker, step=step)
+                clocks = [r.clocks.get(worker, -1) for r in self._all(SyncKind.JOIN, contributor=worker, step=step)]
+                step = max(clocks)
+                if min(clocks) != step:
+                    # A step completed on some PS between the join's calls (another member's commit
+                    # reached it first, while this worker was no member yet): the PS tasks put it at
+                    # different steps, and its pull would not match its push. It has run nothing yet:
+                    # move it to the furthest step everywhere (steps below it do not wait for it).
+                    self._all(SyncKind.SKIP, contributor=worker, step=step)
             except E.JaxdistError as e:
                 logger.warning("worker:%d could not join the synchronous steps yet: %s (it is configured again)", worker, e)
                 return False

@@ -532,3 +532,40 @@ def test_a_closure_failed_after_a_partial_push_is_withdrawn_from_the_steps() -> 
     finally:
         q.stop()
         barrier.stop()
+
+
+def test_a_join_that_a_commit_overtakes_on_one_ps_puts_the_worker_at_one_step_everywhere() -> None:
+    """Worker 1 joins while worker 0 commits step 1: the commit reaches ps:1 before the join (worker 1
+    no member yet there: step 1 is applied, the join puts it at step 2) and ps:0 after (member at step 1,
+    step 1 waits for it). Different clocks on the two PS: its pull (step 2 on one) would not match its
+    push (step 1 on the other): StepMembershipError, seen after a withdraw while the other worker trained.
+    The join moves it to the furthest step on every PS."""
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0])
+    try:
+        p0, p1 = ps.clients
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+            p.advance()
+            p.clock.stage(0, "a/1", [grad("w", 1.0)], pulled_at=1)  # worker 0's step 1, pushed, not committed
+
+        def commit_step_1() -> None:  # worker 0's commit fan-out: ps:1 before the join there, ps:0 after its join
+            for p in (p1, p0):
+                p.clock.commit(0)
+                p.advance()
+
+        real = p1.sync_steps
+
+        def p1_sync_steps(kind: SyncKind, **kw: object) -> SyncReport:
+            if kind is SyncKind.JOIN and not p1.applied[1:]:
+                commit_step_1()
+            return real(kind, **kw)  # type: ignore[arg-type]
+
+        p1.sync_steps = p1_sync_steps  # type: ignore[method-assign]
+        assert barrier.worker_joined(1)
+        assert p0.clock.clocks == p1.clock.clocks == {0: 2, 1: 2}
+        assert p0.applied == p1.applied == [(0, [0]), (1, [0])]  # step 1 without worker 1 on both PS
+    finally:
+        q.stop()
+        barrier.stop()
