@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxdist.base.errors import InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
+from jaxdist.base.errors import BackupNotAttachedError, InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
 from jaxdist.proto import ps_pb2, ps_wire
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import Update, VariableStore
@@ -105,8 +105,8 @@ class Replication:
             logger.error("superseded by a newer primary (backup %s refused epoch %d); stepping down", backup, self.epoch)
             raise NotPrimaryError(f"this PS was superseded (epoch {self.epoch})") from None
         except JaxdistError as e:
-            # Backup gone or broken: go on alone rather than stop training; the
-            # coordinator sees backup="" in GetStatus and attaches one again.
+            # Backup gone, broken or restarted (BackupNotAttachedError): go on alone rather than stop
+            # training; the coordinator sees backup="" in GetStatus and attaches one again.
             with self._lock:
                 if self.backup == backup:
                     self.backup = ""
@@ -219,4 +219,8 @@ class Replication:
         if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
             raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
         if not (header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync) and self.role != "backup":
-            raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")
+            # Not a newer primary (that case is above): a task no full sync made a backup, e.g. a
+            # backup that restarted at its address. The sender must not step down for it.
+            raise BackupNotAttachedError(
+                f"replication before a full sync: this PS is a {self.role} at epoch {self.epoch}, not an attached "
+                "backup; the primary detaches it and the coordinator attaches it again (SetBackup)")

@@ -503,17 +503,31 @@ class VariableStore:
                 self._apply_one(var, upd, idx)
                 var.version += 1
                 versions.append(var.version)
-            if self.replicate is not None:
-                self.replicate(updates, update_id)
-            # Recorded before the locks are released: a snapshot (checkpoint, backup
-            # sync) that contains this push's effect also contains its id.
-            with self._lock:
-                self.updates_applied += 1
-                if update_id:
-                    self._applied[update_id] = digest
-                    while len(self._applied) > self._dedupe_capacity:
-                        self._applied.popitem(last=False)
+            try:
+                if self.replicate is not None:
+                    self.replicate(updates, update_id)
+            finally:
+                # Recorded before the locks are released: a snapshot (checkpoint, backup
+                # sync) that contains this push's effect also contains its id. Recorded
+                # also when replication refused the push (this task stepped down, or
+                # became a backup meanwhile): the values here changed all the same, and
+                # the client's retry must find it applied if this task serves it again
+                # (the coordinator may keep it as the primary), not apply it twice.
+                self._record(unique, update_id, digest)
         return versions
+
+    def _record(self, touched: Sequence[_Variable], update_id: str, digest: str) -> None:
+        """Count a push whose values changed ``touched`` and put its id in the dedupe table,
+        unless a full sync or restore replaced those variables meanwhile (the change is gone
+        with them, and the table is the replacement's)."""
+        with self._lock:
+            if any(self._vars.get(v.name) is not v for v in touched):
+                return
+            self.updates_applied += 1
+            if update_id:
+                self._applied[update_id] = digest
+                while len(self._applied) > self._dedupe_capacity:
+                    self._applied.popitem(last=False)
 
     def _check_indices(self, var: _Variable, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices)
