@@ -541,10 +541,14 @@ class IncrementalExporter:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         missing = [i for i, r in sorted(results.items()) if r.delta_unavailable]
-        if missing:
+        whole = sorted({t for r in results.values() for t in r.whole_tables})
+        if missing or whole:
             shutil.rmtree(tmp, ignore_errors=True)
-            why = (f"ps:{missing[0]} cannot answer a delta relative to the previous export (it restarted, its backup "
-                   "took over, or its state was replaced since)")
+            if missing:
+                why = (f"ps:{missing[0]} cannot answer a delta relative to the previous export (it restarted, its "
+                       "backup took over, or its state was replaced since)")
+            else:  # a keyed table new or replaced since: a delta cannot say which keys it lost
+                why = f"keyed table {whole[0]!r} changed as a whole"
             logger.warning("export %d: %s; writing a full export", sequence, why)
             return why
         return tmp, results

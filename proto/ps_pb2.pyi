@@ -325,7 +325,7 @@ class ExportedVariable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., whole: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
 
 class ExportResponse(_message.Message):
-    __slots__ = ("file_name", "sha256", "bytes", "variables", "generation", "cut", "delta_unavailable", "tables")
+    __slots__ = ("file_name", "sha256", "bytes", "variables", "generation", "cut", "delta_unavailable", "tables", "whole_tables")
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +334,7 @@ class ExportResponse(_message.Message):
     CUT_FIELD_NUMBER: _ClassVar[int]
     DELTA_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_TABLES_FIELD_NUMBER: _ClassVar[int]
     file_name: str
     sha256: str
     bytes: int
@@ -342,7 +343,8 @@ class ExportResponse(_message.Message):
     cut: int
     delta_unavailable: bool
     tables: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[ExportedVariable, _Mapping]]] = ..., generation: _Optional[str] = ..., cut: _Optional[int] = ..., delta_unavailable: _Optional[bool] = ..., tables: _Optional[_Iterable[str]] = ...) -> None: ...
+    whole_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[ExportedVariable, _Mapping]]] = ..., generation: _Optional[str] = ..., cut: _Optional[int] = ..., delta_unavailable: _Optional[bool] = ..., tables: _Optional[_Iterable[str]] = ..., whole_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstallEntry(_message.Message):
     __slots__ = ("name", "value", "version", "optimizer", "optimizer_digest", "state")

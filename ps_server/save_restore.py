@@ -138,6 +138,8 @@ def export(store: VariableStore, req: ps_pb2.ExportRequest,
             arrays[export_rows.rows_key(p.name)] = values
             if evicted is not None:
                 arrays[export_rows.evicted_key(p.name)] = np.asarray(evicted, dtype=keys.dtype) if evicted else keys[:0]
+            elif spec.delta:
+                out.whole_tables.append(p.name)
         sha, nbytes = checkpoint_io.write_npz_atomic(spec.directory, spec.file_name, arrays)
     out.sha256, out.bytes = sha, nbytes
     return out
