@@ -400,7 +400,7 @@ class VariableStore:
                     parts = [self._export_part(v, union_of.get(v.name, ALL)) for v in wanted]
                     keyed = []
                     for j, p in enumerate(participants):
-                        u = unions[len(vars_) + j] if unions is not None else ALL
+                        u: Any = unions[len(vars_) + j] if unions is not None else ALL
                         if u is ALL:
                             keys, values = p.gather(None)
                             keyed.append((keys, values, None))

@@ -16,7 +16,7 @@ import jaxdist
 from jaxdist import serving_export as se
 from jaxdist.base.errors import InvalidRequestError, VariableNotFoundError
 from jaxdist.proto import ps_pb2
-from jaxdist.testing import InProcessCluster
+from jaxdist.testing import InProcessCluster, poll_for
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -275,3 +275,35 @@ def test_export_rpc_refuses_bad_requests_and_changes_nothing(cluster, made, tmp_
     # Another generation's base is refused as unavailable (never answered), nothing written.
     r2 = client.export(ps_pb2.ExportRequest(**dict(ok, file_name="d.npz", delta=True, base_generation="0" * 32, base_cut=1)))
     assert r2.delta_unavailable and not os.path.exists(tmp_path / "x" / "d.npz")
+
+
+def test_a_failover_to_the_backup_between_exports_forces_a_full_export(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The promoted backup holds every acknowledged push, but its change tracking began at its full
+    sync, not at the previous export's cut on the old primary: the next export is a full one."""
+    with InProcessCluster(num_workers=1, num_ps=1, ps_backups=True) as cluster:
+        s = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        replicas = s.replicas
+        assert replicas is not None
+        with s.scope():
+            t = jaxdist.create_variable(np.zeros((ROWS, DIM), np.float32), name="t")
+        with jaxdist.ClusterCoordinator(s) as coord:
+            poll_for(lambda: replicas.status(0)[1], 30, what="the backup attached")
+            d = str(tmp_path / "exports")
+            ex = se.IncrementalExporter(s, d)
+            ex.export()
+            t.scatter_add([1, 2], np.ones((2, DIM), np.float32))
+            assert ex.export().kind == "delta"
+            t.scatter_add([3], np.ones((1, DIM), np.float32))
+            cluster.stop_task("ps:0")
+            coord.schedule(lambda: t.scatter_add([5], np.ones((1, DIM), np.float32)) and None)
+            poll_for(lambda: replicas.failovers == 1, 30, what="the failover")
+            coord.join()
+            info = ex.export()
+            assert info.kind == "full" and info.reason.startswith("ps:0 cannot answer a delta"), info
+            want = np.zeros((ROWS, DIM), np.float32)
+            want[[1, 2, 3, 5]] = 1
+            np.testing.assert_array_equal(se.load_latest(d).variables["t"], want)
+            t.scatter_add([7], np.ones((1, DIM), np.float32))
+            assert ex.export().kind == "delta"  # the new primary's chain goes on
+            want[7] = 1
+            np.testing.assert_array_equal(se.load_latest(d).variables["t"], want)
