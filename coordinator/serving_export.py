@@ -242,6 +242,22 @@ def _read_value(files: _Files, path: str, name: str, shape: tuple[int, ...], dty
     return a.view(dtype) if a.dtype != dtype and a.dtype.itemsize == dtype.itemsize and a.dtype.kind == "V" else a
 
 
+def _typed(fn: Any) -> Any:
+    """``fn`` with a manifest's wrong types or missing fields (KeyError, TypeError, ...) raised as ExportFormatError."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ExportError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as e:
+            raise ExportFormatError(f"{args[-1]}: malformed export ({type(e).__name__}: {e})") from None
+
+    return wrapper
+
+
+@_typed
 def load_export(path: str) -> ExportState:
     """Read a full export (every variable whole, every keyed table's rows), checking every file.
 
@@ -309,6 +325,7 @@ def _sorted_rows(keys: np.ndarray, values: np.ndarray) -> KeyedRows:
     return KeyedRows(keys, values[order])
 
 
+@_typed
 def apply_delta(state: ExportState, path: str) -> ExportState:
     """Apply the delta export at ``path`` to ``state`` (in place; also returned).
 
@@ -359,8 +376,8 @@ def apply_delta(state: ExportState, path: str) -> ExportState:
                        f"{name!r}: row ids {ids.dtype}{list(ids.shape)}, the manifest says {rows}")
                 _check(vals.shape == (len(ids),) + shape[1:] and vals.dtype == dtype, path,
                        f"{name!r}: rows {vals.dtype}{list(vals.shape)} for {len(ids)} ids of a {dtype}{list(shape)}")
-                _check(not len(ids) or (ids[0] >= start and ids[-1] < start + int(s.get("shard_rows", 0))), path,
-                       f"{name!r}: row ids outside the shard's rows")
+                _check(not len(ids) or (ids[0] >= max(start, 0) and ids[-1] < min(start + int(s.get("shard_rows", 0)), shape[0])),
+                       path, f"{name!r}: row ids outside the shard's rows")
                 _check(len(ids) < 2 or bool((ids[1:] > ids[:-1]).all()), path, f"{name!r}: row ids unsorted or repeated")
                 staged.append((name, ids.astype(np.int64), vals))
         for name, t in m["tables"].items():

@@ -4,9 +4,11 @@ exports publish nothing and lose nothing; hostile or mismatched deltas raise typ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from typing import Any
 
 import numpy as np
 import optax
@@ -234,7 +236,37 @@ def test_mismatched_and_hostile_deltas_raise_typed_errors(cluster, made, tmp_pat
     def wrong_format(m):  # type: ignore[no-untyped-def]
         m["format"] = "something/9"
 
-    cases = [(corrupt, se.ExportFormatError, "sha256"), (manifest_edit(rows_out_of_range), se.ExportFormatError, "outside"),
+    def rewritten(change):  # type: ignore[no-untyped-def]
+        """An edit that rewrites the lazy table's shard-0 arrays (a consistent sha256: a crafted file)."""
+        def edit(t):  # type: ignore[no-untyped-def]
+            m = json.loads((t / "manifest.json").read_text())
+            sh = m["variables"][lazy]["shards"][0]
+            with np.load(t / sh["file"]) as npz:
+                arrays = {k: npz[k] for k in npz.files}
+            change(arrays, sh)
+            np.savez(t / sh["file"], **arrays)
+            m["files"][sh["file"]]["sha256"] = hashlib.sha256((t / sh["file"]).read_bytes()).hexdigest()
+            (t / "manifest.json").write_text(json.dumps(m))
+        return edit
+
+    def negative_ids(arrays, sh):  # type: ignore[no-untyped-def]
+        arrays[sh["ids"]] = arrays[sh["ids"]] - 1000
+
+    def unsorted_ids(arrays, sh):  # type: ignore[no-untyped-def]
+        ids = arrays[sh["ids"]]
+        arrays[sh["ids"]] = np.concatenate([ids[1:], ids[:1]]) if len(ids) > 1 else np.array([3, 3])
+
+    def wider_rows(arrays, sh):  # type: ignore[no-untyped-def]
+        arrays[sh["values"]] = np.zeros((len(arrays[sh["ids"]]), DIM + 1), np.float32)
+
+    def float64_rows(arrays, sh):  # type: ignore[no-untyped-def]
+        arrays[sh["values"]] = arrays[sh["values"]].astype(np.float64)
+
+    cases = [(corrupt, se.ExportFormatError, "sha256"),
+             (rewritten(negative_ids), se.ExportFormatError, "outside"),
+             (rewritten(unsorted_ids), se.ExportFormatError, "unsorted|the manifest says"),
+             (rewritten(wider_rows), se.ExportFormatError, "rows"),
+             (rewritten(float64_rows), se.ExportFormatError, "float64"), (manifest_edit(rows_out_of_range), se.ExportFormatError, "outside"),
              (manifest_edit(other_file), se.ExportFormatError, "does not list"),
              (manifest_edit(wrong_shape), se.ExportChainError, "in the state"),
              (manifest_edit(no_array), se.ExportFormatError, "no array"),
@@ -307,3 +339,44 @@ def test_a_failover_to_the_backup_between_exports_forces_a_full_export(tmp_path)
             assert ex.export().kind == "delta"  # the new primary's chain goes on
             want[7] = 1
             np.testing.assert_array_equal(se.load_latest(d).variables["t"], want)
+
+
+JUNK: list[object] = [None, "x", -1, 10**30, [], {}, [1, "a"], {"a": 1}, 1.5, True]
+
+
+def test_every_manifest_field_made_junk_raises_an_export_error_or_applies(cluster, made, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each field of a delta's manifest (top level, a variable, a shard) replaced by junk values: the
+    delta applies (a field the reader does not need) or raises ExportError, and the state is unchanged then."""
+    s, v = made("_junk")
+    rng = np.random.default_rng(6)
+    ex = se.IncrementalExporter(s, str(tmp_path / "exports"), full_every=2)
+    full = ex.export()
+    _train(v, rng)
+    delta = ex.export()
+    _train(v, rng)
+    assert ex.export().kind == "full"  # full_every=2: a full export, then one delta
+    good = json.loads((tmp_path / "exports" / delta.name / "manifest.json").read_text())
+    lazy = next(n for n in good["variables"] if n.startswith("lazy_junk"))
+    w = next(n for n in good["variables"] if n.endswith("/w"))
+    where: list[tuple[Any, ...]] = [(k,) for k in good] + [("variables", lazy, k) for k in good["variables"][lazy]]
+    where += [("variables", lazy, "shards", 0, k) for k in good["variables"][lazy]["shards"][0]]
+    where += [("variables", w, "shards", 0, k) for k in good["variables"][w]["shards"][0]]
+    t = tmp_path / "junk" / delta.name
+    shutil.copytree(delta.path, t)
+    base = se.load_export(full.path)
+    applied = 0
+    for path in where:
+        for junk in JUNK:
+            m = json.loads(json.dumps(good))
+            node = m
+            for p in path[:-1]:
+                node = node[p]
+            node[path[-1]] = junk
+            (t / "manifest.json").write_text(json.dumps(m))
+            state = se.ExportState(base.name, base.sequence, base.chain, {k: a.copy() for k, a in base.variables.items()})
+            try:
+                se.apply_delta(state, str(t))
+                applied += 1
+            except se.ExportError:
+                _assert_same(state.variables, base.variables)
+    assert 0 < applied < len(where) * len(JUNK)
