@@ -522,6 +522,7 @@ class IncrementalExporter:
         try:
             with AtomicFile(os.path.join(tmp, MANIFEST), text=True) as f:
                 json.dump(manifest, f, indent=1, sort_keys=True)
+            _fsync_dir(tmp)  # the files' names in it durable before it is published
             final = os.path.join(self.directory, name)
             if os.path.exists(final):
                 raise FileExistsError(f"export {final} already exists (another exporter writes into {self.directory})")

@@ -189,8 +189,12 @@ class CutParticipant(Protocol):
     """A keyed table taking part in an export cut (the plug-in point of dynamic tables).
 
     The table marks :attr:`changes` (made by :meth:`ChangeTracker.new_keys`) under :attr:`lock`
-    whenever it inserts, updates or evicts a key, in the critical section that changes the rows.
-    During a cut the store holds :attr:`lock` with every variable lock and calls :meth:`gather`.
+    whenever it inserts, updates or evicts a key, in the critical section that changes the rows
+    (a restore or full sync that replaces the table calls :meth:`KeyChanges.mark_all`). During a cut
+    the store takes every variable lock, then :attr:`lock` of each participant (in the order given),
+    and calls :meth:`gather`: a table never takes a variable lock while it holds its own. A table
+    that is replaced whole in a delta makes the exporter write a full export (a delta cannot say
+    which keys it lost).
     """
 
     name: str
