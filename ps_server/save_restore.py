@@ -96,7 +96,7 @@ def export(store: VariableStore, req: ps_pb2.ExportRequest,
     """Write this PS's part of an export to ``req.directory/req.file_name`` and make an export cut.
 
     A full export (``req.delta`` False) writes every named variable whole (``value/<name>``) and
-    every keyed table's keys and rows (``keys/<table>``, ``values/<table>``). A delta writes, per
+    every keyed table's keys and rows (``keys/<table>``, ``rows/<table>``). A delta writes, per
     variable, its changed rows since the base cut (``ids/<name>``: global row numbers, the shard's
     ``row_offset`` added, ascending; ``rows/<name>``), or the variable whole when it changed as a
     whole (a dense update); per keyed table the rows of the keys updated and the keys evicted
