@@ -288,6 +288,64 @@ class RestoreResponse(_message.Message):
     restored: int
     def __init__(self, restored: _Optional[int] = ...) -> None: ...
 
+class ExportVariable(_message.Message):
+    __slots__ = ("name", "row_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_offset: int
+    def __init__(self, name: _Optional[str] = ..., row_offset: _Optional[int] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("directory", "file_name", "variables", "delta", "base_generation", "base_cut")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_CUT_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    file_name: str
+    variables: _containers.RepeatedCompositeFieldContainer[ExportVariable]
+    delta: bool
+    base_generation: str
+    base_cut: int
+    def __init__(self, directory: _Optional[str] = ..., file_name: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[ExportVariable, _Mapping]]] = ..., delta: _Optional[bool] = ..., base_generation: _Optional[str] = ..., base_cut: _Optional[int] = ...) -> None: ...
+
+class ExportedVariable(_message.Message):
+    __slots__ = ("name", "spec", "whole", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec: _common_pb2.TensorSpec
+    whole: bool
+    rows: int
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., whole: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("file_name", "sha256", "bytes", "variables", "generation", "cut", "delta_unavailable", "tables", "whole_tables")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_TABLES_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    sha256: str
+    bytes: int
+    variables: _containers.RepeatedCompositeFieldContainer[ExportedVariable]
+    generation: str
+    cut: int
+    delta_unavailable: bool
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    whole_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[ExportedVariable, _Mapping]]] = ..., generation: _Optional[str] = ..., cut: _Optional[int] = ..., delta_unavailable: _Optional[bool] = ..., tables: _Optional[_Iterable[str]] = ..., whole_tables: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class InstallEntry(_message.Message):
     __slots__ = ("name", "value", "version", "optimizer", "optimizer_digest", "state")
     NAME_FIELD_NUMBER: _ClassVar[int]

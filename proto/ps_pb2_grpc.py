@@ -75,6 +75,11 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/jaxdist.ParameterServer/Export',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.ExportRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.ExportResponse.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/jaxdist.ParameterServer/Shutdown',
                 request_serializer=jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.SerializeToString,
@@ -161,6 +166,15 @@ class ParameterServerServicer:
 
     def Restore(self, request, context):
         """(Re)creates variables from pieces of checkpoint files (re-sharding allowed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Export(self, request, context):
+        """Writes this PS's part of an export for serving to <directory>/<file_name> (numpy .npz): every
+        named variable whole, or (a delta) only the rows changed since the export cut `base_cut` of
+        tracker generation `base_generation`, then starts a new cut (ps_server/export_rows.py).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -254,6 +268,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.RestoreRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.RestoreResponse.SerializeToString,
+            ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.ExportRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.ExportResponse.SerializeToString,
             ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
@@ -502,6 +521,33 @@ class ParameterServer:
             '/jaxdist.ParameterServer/Restore',
             jaxdist_dot_proto_dot_ps__pb2.RestoreRequest.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/Export',
+            jaxdist_dot_proto_dot_ps__pb2.ExportRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.ExportResponse.FromString,
             options,
             channel_credentials,
             insecure,

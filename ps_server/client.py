@@ -150,6 +150,7 @@ class PSClient(ServiceClient):
         self._shutdown = self._unary("Shutdown", common_pb2.ShutdownRequest, common_pb2.ShutdownResponse)
         self._save = self._unary("Save", ps_pb2.SaveRequest, ps_pb2.SaveResponse)
         self._restore = self._unary("Restore", ps_pb2.RestoreRequest, ps_pb2.RestoreResponse)
+        self._export = self._unary("Export", ps_pb2.ExportRequest, ps_pb2.ExportResponse)
         self._set_backup = self._unary("SetBackup", ps_pb2.SetBackupRequest, ps_pb2.SetBackupResponse)
         self._promote = self._unary("Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
         self._begin_run = self._unary("BeginRun", ps_pb2.BeginRunRequest, ps_pb2.BeginRunResponse)
@@ -434,6 +435,10 @@ class PSClient(ServiceClient):
 
     def restore(self, req: ps_pb2.RestoreRequest, timeout: float = 600.0) -> int:
         return self._call(self._restore, req, timeout).restored
+
+    def export(self, req: ps_pb2.ExportRequest, timeout: float = 600.0) -> ps_pb2.ExportResponse:
+        """This PS's part of an export for serving (:func:`jaxdist.ps_server.save_restore.export`)."""
+        return self._call(self._export, req, timeout)
 
     # ----------------------------------------------------------------- control
     def list_variables(self, timeout: float = 10.0) -> list[ps_pb2.VariableInfo]:

@@ -5,7 +5,8 @@ that does the work and encodes the answer:
 
 - the variables: :class:`~jaxdist.ps_server.store.VariableStore`;
 - optimizers sent by clients: :class:`~jaxdist.ps_server.optimizer_cache.OptimizerCache`;
-- Save/Restore: :mod:`jaxdist.ps_server.save_restore`;
+- Save/Restore/Export: :mod:`jaxdist.ps_server.save_restore` (exports' change tracking:
+  :mod:`jaxdist.ps_server.export_rows`);
 - primary/backup replication: :class:`~jaxdist.ps_server.backup.Replication`;
 - what is counted: :class:`~jaxdist.ps_server.counters.PSCounters`;
 - synchronous and bounded-stale steps (the step barrier pulls wait at, gradients
@@ -34,7 +35,7 @@ import numpy as np
 
 from jaxdist.base.errors import ConfigurationError, InvalidRequestError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
-from jaxdist.ps_server import save_restore
+from jaxdist.ps_server import export_rows, save_restore
 from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
@@ -76,6 +77,9 @@ class ParameterServerServicer:
         self.shutdown_event = threading.Event()
         self.data_port = 0  # set when a data plane serves this PS (announced in GetStatus)
         self.exit_code = 0
+        #: Keyed (dynamic) tables held here, by name: they take part in export cuts
+        #: (:class:`~jaxdist.ps_server.export_rows.CutParticipant`). A table registers itself.
+        self.keyed_tables: dict[str, export_rows.CutParticipant] = {}
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
@@ -87,6 +91,7 @@ class ParameterServerServicer:
             "GetStatus": unary_handler("GetStatus", common_pb2.Empty.FromString, self.get_status),
             "Save": unary_handler("Save", ps_pb2.SaveRequest.FromString, self.save),
             "Restore": unary_handler("Restore", ps_pb2.RestoreRequest.FromString, self.restore),
+            "Export": unary_handler("Export", ps_pb2.ExportRequest.FromString, self.export),
             "Shutdown": unary_handler("Shutdown", common_pb2.ShutdownRequest.FromString, self.shutdown),
             "Replicate": stream_in_handler("Replicate", self.replicate),
             "SetBackup": unary_handler("SetBackup", ps_pb2.SetBackupRequest.FromString, self.set_backup),
@@ -266,6 +271,11 @@ class ParameterServerServicer:
     # -------------------------------------------------------------- checkpoint
     def save(self, req: ps_pb2.SaveRequest, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
         return save_restore.save(self.store, req)
+
+    def export(self, req: ps_pb2.ExportRequest, context: grpc.ServicerContext) -> ps_pb2.ExportResponse:
+        # A deposed primary's or a backup's changes are not the shard's: only the primary exports.
+        self.replication.check_primary(self.task)
+        return save_restore.export(self.store, req, [self.keyed_tables[n] for n in sorted(self.keyed_tables)])
 
     def restore(self, req: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         staged = save_restore.read_restore(req, self.store.max_variable_bytes, self.optimizers.get)
