@@ -209,3 +209,4 @@ def test_a_restarted_backup_is_detached_and_the_push_applied_once_over_grpc() ->
         with PSClient(cluster.address("ps:0"), cluster.credentials, task="ps:0") as primary:
             st = primary.status()
             assert st.counters["replica_role"] == 0.0 and st.counters["replica_degraded"] >= 1
+        strategy.close()
