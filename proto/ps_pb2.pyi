@@ -399,3 +399,71 @@ class BeginRunResponse(_message.Message):
     PREVIOUS_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     previous_run_id: str
     def __init__(self, previous_run_id: _Optional[str] = ...) -> None: ...
+
+class DynamicKeys(_message.Message):
+    __slots__ = ("ids", "strings", "is_string")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    IS_STRING_FIELD_NUMBER: _ClassVar[int]
+    ids: _common_pb2.Tensor
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    is_string: bool
+    def __init__(self, ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., strings: _Optional[_Iterable[str]] = ..., is_string: _Optional[bool] = ...) -> None: ...
+
+class CreateDynamicTableRequest(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CreateDynamicTableResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class DynamicLookupRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: DynamicKeys
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ...) -> None: ...
+
+class DynamicLookupResponse(_message.Message):
+    __slots__ = ("rows", "admitted")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    rows: _common_pb2.Tensor
+    admitted: _common_pb2.Tensor
+    def __init__(self, rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admitted: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DynamicPushRequest(_message.Message):
+    __slots__ = ("table", "keys", "grads", "update_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: DynamicKeys
+    grads: _common_pb2.Tensor
+    update_id: str
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class DynamicPushResponse(_message.Message):
+    __slots__ = ("duplicate", "applied", "refused", "inserted", "evicted")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    applied: int
+    refused: int
+    inserted: int
+    evicted: int
+    def __init__(self, duplicate: _Optional[bool] = ..., applied: _Optional[int] = ..., refused: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...
