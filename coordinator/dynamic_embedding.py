@@ -110,6 +110,7 @@ class DynamicEmbedding:
         cfg = self.config
         self._conns.fan_out({i: methodcaller("create_dynamic_table", cfg, i, self.num_shards)
                              for i in range(self.num_shards)})
+        strategy.dynamic_tables[name] = self
         logger.info("dynamic table %r created on %d PS tasks", name, self.num_shards)
 
     # ------------------------------------------------------------ identity

@@ -231,16 +231,18 @@ class SavedVariable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., optimizer_leaves: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("file_name", "sha256", "bytes", "variables")
+    __slots__ = ("file_name", "sha256", "bytes", "variables", "dynamic_tables")
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_TABLES_FIELD_NUMBER: _ClassVar[int]
     file_name: str
     sha256: str
     bytes: int
     variables: _containers.RepeatedCompositeFieldContainer[SavedVariable]
-    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[SavedVariable, _Mapping]]] = ...) -> None: ...
+    dynamic_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[SavedVariable, _Mapping]]] = ..., dynamic_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("file", "source", "src_start", "src_stop", "dst_start", "sha256")
@@ -275,12 +277,34 @@ class RestoreEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., with_optimizer_state: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("directory", "entries")
+    __slots__ = ("directory", "entries", "dynamic")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     directory: str
     entries: _containers.RepeatedCompositeFieldContainer[RestoreEntry]
-    def __init__(self, directory: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[RestoreEntry, _Mapping]]] = ...) -> None: ...
+    dynamic: _containers.RepeatedCompositeFieldContainer[DynamicRestoreEntry]
+    def __init__(self, directory: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[RestoreEntry, _Mapping]]] = ..., dynamic: _Optional[_Iterable[_Union[DynamicRestoreEntry, _Mapping]]] = ...) -> None: ...
+
+class SavedFile(_message.Message):
+    __slots__ = ("file", "sha256")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    sha256: str
+    def __init__(self, file: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class DynamicRestoreEntry(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards", "files")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    files: _containers.RepeatedCompositeFieldContainer[SavedFile]
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("restored",)

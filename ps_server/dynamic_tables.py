@@ -21,11 +21,12 @@ Contract:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,10 +38,11 @@ from jaxdist.base.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto import codec, ps_pb2
+from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
 from jaxdist.ps_server.store import VariableStore
 
-__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys"]
+__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "pack_export", "unpack_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +126,47 @@ class DynamicTables:
         table = self.get(name)
         return self.store.apply_once(update_id, dynamic_push_digest(name), lambda: table.apply(keys, grads))
 
+    def save_arrays(self) -> tuple[dict[str, np.ndarray], list[str]]:
+        """Every shard's whole state as checkpoint arrays (``dyn/<table>/<field>``), and the table names."""
+        with self._lock:
+            tables = dict(self._tables)
+        out: dict[str, np.ndarray] = {}
+        for name, t in sorted(tables.items()):
+            out.update(pack_export(name, t.export()))
+        return out, sorted(tables)
+
+    def read_restore(self, req: ps_pb2.RestoreRequest) -> list[DynamicTableShard]:
+        """The shards ``req.dynamic`` asks for, rebuilt from the saved shards of every file (nothing
+        installed: see :meth:`install`).
+
+        Raises:
+            InvalidRequestError: a malformed entry or config, a missing, corrupt or mismatched file or array.
+        """
+        if not req.dynamic:
+            return []
+        reader = PieceReader(req.directory)
+        try:
+            built = []
+            for e in req.dynamic:
+                config = config_from_json(e.config_json)
+                if not 0 <= e.shard < e.num_shards:
+                    raise InvalidRequestError(f"dynamic table shard {e.shard} out of range for {e.num_shards} shards")
+                exports = [unpack_export(config, functools.partial(_read_saved, reader, f.file, f.sha256))
+                           for f in e.files]
+                try:
+                    built.append(DynamicTableShard.restore(config, exports, e.shard, e.num_shards))
+                except (ValueError, TypeError, KeyError, IndexError) as err:
+                    raise InvalidRequestError(f"dynamic table {config.name!r} in the checkpoint is malformed: {err}") from err
+            return built
+        finally:
+            reader.close()
+
+    def install(self, shards: Sequence[DynamicTableShard]) -> None:
+        """Replace (or add) these tables' shards: a restore."""
+        with self._lock:
+            for t in shards:
+                self._tables[t.config.name] = t
+
     def stats(self) -> dict[str, dict[str, int]]:
         """Each table's :meth:`DynamicTableShard.stats`."""
         with self._lock:
@@ -137,6 +180,47 @@ class DynamicTables:
             for k in STAT_NAMES:
                 out[f"dynamic/{name}/{k}"] = float(st[k])
         return out
+
+
+_STRING_FIELDS = ("keys", "pending_keys")
+
+
+def _read_saved(reader: PieceReader, file: str, sha256: str, key: str) -> np.ndarray:
+    return reader.array(file, sha256, key)
+
+
+def pack_export(table: str, export: dict[str, Any]) -> dict[str, np.ndarray]:
+    """A shard's :meth:`~DynamicTableShard.export` as plain numpy arrays ``dyn/<table>/<field>``
+    (readable without pickle: string keys become ``<field>.utf8`` bytes and ``<field>.len`` lengths)."""
+    out: dict[str, np.ndarray] = {}
+    for k, v in export.items():
+        key = f"dyn/{table}/{k}"
+        arr = np.asarray(v)
+        if k in _STRING_FIELDS and arr.dtype == object:
+            enc = [s.encode("utf-8") for s in arr.tolist()]
+            out[key + ".utf8"] = np.frombuffer(b"".join(enc), dtype=np.uint8).copy()
+            out[key + ".len"] = np.asarray([len(b) for b in enc], dtype=np.int64)
+        else:
+            out[key] = arr
+    return out
+
+
+def unpack_export(config: DynamicTableConfig, read: Callable[[str], np.ndarray]) -> dict[str, Any]:
+    """The export :func:`pack_export` wrote for ``config``'s table, read with ``read(key)``."""
+    prefix = f"dyn/{config.name}/"
+    fields = ["values", "t", "last", "freq", "pending_counts", "step", "counters"]
+    fields += ["slot_" + s for s in config.optimizer.slot_names()]
+    out: dict[str, Any] = {f: read(prefix + f) for f in fields}
+    for f in _STRING_FIELDS:
+        if config.key_dtype == "int64":
+            out[f] = read(prefix + f)
+        else:
+            data, lens = read(prefix + f + ".utf8").tobytes(), read(prefix + f + ".len")
+            ends = np.cumsum(lens)
+            if len(ends) and int(ends[-1]) != len(data):
+                raise InvalidRequestError(f"dynamic table {config.name!r}: saved string keys do not match their lengths")
+            out[f] = np.asarray([data[int(e - n):int(e)].decode("utf-8") for e, n in zip(ends, lens)], dtype=object)
+    return out
 
 
 def config_from_json(text: str) -> DynamicTableConfig:

@@ -312,15 +312,19 @@ class ParameterServerServicer:
 
     # -------------------------------------------------------------- checkpoint
     def save(self, req: ps_pb2.SaveRequest, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
-        return save_restore.save(self.store, req)
+        return save_restore.save(self.store, req, self.dynamic.save_arrays)
 
     def restore(self, req: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         staged = save_restore.read_restore(req, self.store.max_variable_bytes, self.optimizers.get)
+        dynamic = self.dynamic.read_restore(req)
         self.replication.check_primary(self.task)
+        if dynamic:
+            self._check_dynamic_replication()
         for name, value, opt, state in staged:  # install only once every entry was read and verified
             self.store.install(name, value, opt, state)
+        self.dynamic.install(dynamic)
         self.replication.forward_install([name for name, *_ in staged])
-        return ps_pb2.RestoreResponse(restored=len(staged))
+        return ps_pb2.RestoreResponse(restored=len(staged) + len(dynamic))
 
     # ----------------------------------------------------------------- control
     def list_variables(self, req: ps_pb2.ListVariablesRequest, context: grpc.ServicerContext) -> ps_pb2.ListVariablesResponse:

@@ -54,7 +54,7 @@ def _table_counters(c: PSClient, name: str) -> dict[str, float]:
     return {k[len(prefix):]: v for k, v in c.status().counters.items() if k.startswith(prefix)}
 
 
-def test_lookup_and_push_match_the_shard_used_directly(client: PSClient) -> None:
+def test_lookup_and_push_match_the_shard_used_directly(ps_server: ParameterServer, client: PSClient) -> None:
     cfg = _cfg()
     assert client.create_dynamic_table(cfg, 0, 1)
     assert not client.create_dynamic_table(cfg, 0, 1)  # idempotent: kept as it is
@@ -78,6 +78,24 @@ def test_lookup_and_push_match_the_shard_used_directly(client: PSClient) -> None
                                             ("rows", "bytes", "inserts", "admissions_refused", "evictions", "pushes",
                                              "pending_keys")}
     assert st["evictions"] > 0 and st["admissions_refused"] > 0  # the run exercised both
+    # /metrics: the same figures, labelled by table.
+    from jaxdist.ps_server.monitoring import PSCollector
+
+    samples = {(m.name, sm.labels.get("table")): sm.value for m in PSCollector(ps_server.servicer).collect()
+               for sm in m.samples}
+    assert samples[("jaxdist_ps_dynamic_rows", "t")] == st["rows"]
+    assert samples[("jaxdist_ps_dynamic_bytes", "t")] == st["bytes"]
+    assert samples[("jaxdist_ps_dynamic_evictions", "t")] == st["evictions"]
+    assert samples[("jaxdist_ps_dynamic_admissions_refused", "t")] == st["admissions_refused"]
+    assert samples[("jaxdist_ps_dynamic_inserts", "t")] == st["inserts"]
+    # jaxdist status: a table of the dynamic tables under the task table.
+    from jaxdist.tools.cluster_status import StatusProbe, format_table
+
+    with StatusProbe({"ps": [ps_server.address]}, CREDS) as probe:
+        text = format_table(probe.refresh())
+    line = next(ln for ln in text.splitlines() if ln.startswith("t ")).split()
+    assert line[:3] == ["t", "ps:0", str(st["rows"])] and line[-3:] == [
+        str(st["inserts"]), str(st["admissions_refused"]), str(st["evictions"])], text
 
 
 def test_string_keys(client: PSClient) -> None:
