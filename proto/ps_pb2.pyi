@@ -34,6 +34,7 @@ class ReplicaKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_UPDATE: _ClassVar[ReplicaKind]
     REPLICA_INSTALL: _ClassVar[ReplicaKind]
     REPLICA_DELETE: _ClassVar[ReplicaKind]
+    REPLICA_DYNAMIC: _ClassVar[ReplicaKind]
 
 class SyncStepsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ REPLACE: IfExists
 REPLICA_UPDATE: ReplicaKind
 REPLICA_INSTALL: ReplicaKind
 REPLICA_DELETE: ReplicaKind
+REPLICA_DYNAMIC: ReplicaKind
 SYNC_STATUS: SyncStepsKind
 SYNC_CONFIGURE: SyncStepsKind
 SYNC_COMMIT: SyncStepsKind
@@ -329,7 +331,7 @@ class InstallEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., state: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "kind", "push", "installs", "deletes", "full_sync", "applied_ids")
+    __slots__ = ("epoch", "kind", "push", "installs", "deletes", "full_sync", "applied_ids", "dynamic_create", "dynamic_push", "dynamic_installs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +339,9 @@ class ReplicaHeader(_message.Message):
     DELETES_FIELD_NUMBER: _ClassVar[int]
     FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
     APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_CREATE_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_PUSH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_INSTALLS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     kind: ReplicaKind
     push: PushHeader
@@ -344,7 +349,30 @@ class ReplicaHeader(_message.Message):
     deletes: _containers.RepeatedScalarFieldContainer[str]
     full_sync: bool
     applied_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., kind: _Optional[_Union[ReplicaKind, str]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., installs: _Optional[_Iterable[_Union[InstallEntry, _Mapping]]] = ..., deletes: _Optional[_Iterable[str]] = ..., full_sync: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dynamic_create: CreateDynamicTableRequest
+    dynamic_push: DynamicPushRequest
+    dynamic_installs: _containers.RepeatedCompositeFieldContainer[DynamicInstall]
+    def __init__(self, epoch: _Optional[int] = ..., kind: _Optional[_Union[ReplicaKind, str]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., installs: _Optional[_Iterable[_Union[InstallEntry, _Mapping]]] = ..., deletes: _Optional[_Iterable[str]] = ..., full_sync: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[str]] = ..., dynamic_create: _Optional[_Union[CreateDynamicTableRequest, _Mapping]] = ..., dynamic_push: _Optional[_Union[DynamicPushRequest, _Mapping]] = ..., dynamic_installs: _Optional[_Iterable[_Union[DynamicInstall, _Mapping]]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _common_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DynamicInstall(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards", "arrays")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    arrays: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
 
 class SetBackupRequest(_message.Message):
     __slots__ = ("address", "epoch")

@@ -658,6 +658,16 @@ class DynamicTableShard:
         return h.hexdigest()
 
     @classmethod
+    def copy_of(
+        cls, config: DynamicTableConfig, export: dict[str, Any], shard: int = 0, num_shards: int = 1
+    ) -> DynamicTableShard:
+        """An exact copy of the shard that gave ``export`` (same placement; its own counters kept):
+        what a backup installs, so its :meth:`digest` equals the primary's."""
+        new = cls.restore(config, [export], shard, num_shards)
+        new.counters = _Counters(*(int(x) for x in export["counters"]))
+        return new
+
+    @classmethod
     def restore(
         cls, config: DynamicTableConfig, exports: Sequence[dict[str, Any]], shard: int = 0, num_shards: int = 1
     ) -> DynamicTableShard:

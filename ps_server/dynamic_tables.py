@@ -21,12 +21,13 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +35,7 @@ import numpy as np
 from jaxdist.base.errors import (
     ConfigurationError,
     InvalidRequestError,
+    JaxdistError,
     VariableExistsError,
     VariableNotFoundError,
 )
@@ -42,7 +44,7 @@ from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
 from jaxdist.ps_server.store import VariableStore
 
-__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "pack_export", "unpack_export"]
+__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,11 +92,19 @@ class DynamicTables:
 
     def __init__(self, store: VariableStore) -> None:
         self.store = store
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # membership; taken before any table's apply lock
         self._tables: dict[str, DynamicTableShard] = {}
+        # Per table: held while a push is applied and forwarded, so a backup gets the pushes in the
+        # order they were applied here (and a full sync sees none half done).
+        self._apply_locks: dict[str, threading.Lock] = {}
+        #: Sends one replication message (its dynamic fields set) to the backup, if any: set by the
+        #: servicer (Replication.forward_dynamic). Raises NotPrimaryError when this task must not
+        #: acknowledge the change.
+        self.forward: Callable[[ps_pb2.ReplicaHeader], None] | None = None
 
     def create(self, config: DynamicTableConfig, shard: int, num_shards: int) -> bool:
-        """Create this task's shard of a table; False if it existed identically (kept as it is)."""
+        """Create this task's shard of a table; False if it existed identically (kept as it is).
+        A new shard is forwarded to the backup before any push to it can be."""
         with self._lock:
             old = self._tables.get(config.name)
             if old is not None:
@@ -104,7 +114,17 @@ class DynamicTables:
                     f"dynamic table {config.name!r} exists here with another config or placement "
                     f"(shard {old.shard} of {old.num_shards})")
             self._tables[config.name] = DynamicTableShard(config, shard, num_shards)
-        logger.info("dynamic table %r: shard %d of %d created", config.name, shard, num_shards)
+            lock = self._apply_locks.setdefault(config.name, threading.Lock())
+            lock.acquire()
+        try:
+            logger.info("dynamic table %r: shard %d of %d created", config.name, shard, num_shards)
+            if self.forward is not None:
+                header = ps_pb2.ReplicaHeader()
+                header.dynamic_create.CopyFrom(ps_pb2.CreateDynamicTableRequest(
+                    config_json=json.dumps(config.to_json()), shard=shard, num_shards=num_shards))
+                self.forward(header)
+        finally:
+            lock.release()
         return True
 
     def get(self, name: str) -> DynamicTableShard:
@@ -121,10 +141,82 @@ class DynamicTables:
     def lookup(self, name: str, keys: Any) -> tuple[np.ndarray, np.ndarray]:
         return self.get(name).lookup(keys)
 
-    def push(self, name: str, keys: Any, grads: np.ndarray, update_id: str) -> tuple[dict[str, int] | None, bool]:
-        """Apply one push of gradient rows at most once per ``update_id``: ``(counts, duplicate)``."""
+    def push(
+        self, name: str, keys: Any, grads: np.ndarray, update_id: str, wire: ps_pb2.DynamicPushRequest | None = None,
+    ) -> tuple[dict[str, int] | None, bool]:
+        """Apply one push of gradient rows at most once per ``update_id``: ``(counts, duplicate)``.
+
+        An applied push is forwarded to the backup (``wire``: the request as received, else encoded
+        here) while the table's apply lock is held. Its id is recorded even when forwarding refused
+        it (this task was deposed meanwhile): the rows here changed, so a retry must find it applied.
+        """
         table = self.get(name)
-        return self.store.apply_once(update_id, dynamic_push_digest(name), lambda: table.apply(keys, grads))
+        with self._apply_lock(name):
+            def change() -> tuple[dict[str, int], JaxdistError | None]:
+                counts = table.apply(keys, grads)
+                if self.forward is None:
+                    return counts, None
+                header = ps_pb2.ReplicaHeader()
+                if wire is not None:
+                    header.dynamic_push.CopyFrom(wire)
+                else:
+                    header.dynamic_push.table, header.dynamic_push.update_id = name, update_id
+                    encode_keys(keys, header.dynamic_push.keys)
+                    codec.tensor_to_proto(grads, header.dynamic_push.grads)
+                try:
+                    self.forward(header)
+                except JaxdistError as e:
+                    return counts, e
+                return counts, None
+
+            result, dup = self.store.apply_once(update_id, dynamic_push_digest(name), change)
+        if result is None:
+            return None, True
+        counts, refused = result
+        if refused is not None:
+            raise refused
+        return counts, False
+
+    def _apply_lock(self, name: str) -> threading.Lock:
+        with self._lock:
+            return self._apply_locks.setdefault(name, threading.Lock())
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[list[ps_pb2.DynamicInstall]]:
+        """Every shard as it is, with no push or create applied until the block ends (a full sync)."""
+        with self._lock:
+            names = sorted(self._tables)
+            with contextlib.ExitStack() as stack:
+                for n in names:
+                    stack.enter_context(self._apply_locks.setdefault(n, threading.Lock()))
+                yield [install_message(self._tables[n]) for n in names]
+
+    def forward_installs(self, names: Sequence[str]) -> None:
+        """Send the whole shards ``names`` to the backup (after a restore), each under its apply lock:
+        no push to it is forwarded between its copy and the backup's install of it."""
+        for n in names:
+            with self._apply_lock(n):
+                if self.forward is not None:
+                    header = ps_pb2.ReplicaHeader()
+                    header.dynamic_installs.append(install_message(self.get(n)))
+                    self.forward(header)
+
+    def accept_installs(self, installs: Sequence[ps_pb2.DynamicInstall], replace_all: bool) -> None:
+        """Install exact copies of the primary's shards (a backup); ``replace_all``: drop the others."""
+        shards = []
+        for m in installs:
+            config = config_from_json(m.config_json)
+            arrays = {a.name: codec.tensor_from_proto(a.tensor) for a in m.arrays}
+            try:
+                export = unpack_export(config, arrays.__getitem__)
+                shards.append(DynamicTableShard.copy_of(config, export, m.shard, m.num_shards))
+            except (KeyError, ValueError, TypeError, IndexError) as e:
+                raise InvalidRequestError(f"malformed dynamic table install {config.name!r}: {e}") from e
+        with self._lock:
+            if replace_all:
+                self._tables = {}
+            for t in shards:
+                self._tables[t.config.name] = t
 
     def save_arrays(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """Every shard's whole state as checkpoint arrays (``dyn/<table>/<field>``), and the table names."""
@@ -221,6 +313,15 @@ def unpack_export(config: DynamicTableConfig, read: Callable[[str], np.ndarray])
                 raise InvalidRequestError(f"dynamic table {config.name!r}: saved string keys do not match their lengths")
             out[f] = np.asarray([data[int(e - n):int(e)].decode("utf-8") for e, n in zip(ends, lens)], dtype=object)
     return out
+
+
+def install_message(table: DynamicTableShard) -> ps_pb2.DynamicInstall:
+    """A whole shard as one inline replication message (its export, packed as in a checkpoint)."""
+    m = ps_pb2.DynamicInstall(config_json=json.dumps(table.config.to_json()), shard=table.shard,
+                              num_shards=table.num_shards)
+    for name, arr in pack_export(table.config.name, table.export()).items():
+        codec.tensor_to_proto(arr, m.arrays.add(name=name).tensor)
+    return m
 
 
 def config_from_json(text: str) -> DynamicTableConfig:

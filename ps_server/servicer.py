@@ -73,6 +73,8 @@ class ParameterServerServicer:
         self.sync = SyncSteps(store.apply_step, lambda name: store.spec(name)[1], store.was_applied)
         self.run_fence = RunFence(self.task)
         self.dynamic = DynamicTables(store)
+        self.dynamic.forward = self.replication.forward_dynamic
+        self.replication.dynamic = self.dynamic
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
@@ -270,19 +272,10 @@ class ParameterServerServicer:
         return ps_wire.encode_sync_report(self.sync.control(kind, contributor, staleness, members, step))
 
     # ---------------------------------------------------------- dynamic tables
-    def _check_dynamic_replication(self) -> None:
-        """Dynamic tables are not forwarded to a backup (yet): refuse to change one on a replicated
-        PS rather than let the backup diverge silently."""
-        if self.replication.backup:
-            raise ConfigurationError(
-                f"{self.task} has a backup attached: dynamic tables are not replicated yet, so they cannot be "
-                "changed on a replicated parameter server")
-
     def create_dynamic_table(
         self, req: ps_pb2.CreateDynamicTableRequest, context: grpc.ServicerContext
     ) -> ps_pb2.CreateDynamicTableResponse:
         self.replication.check_primary(self.task)
-        self._check_dynamic_replication()
         config = config_from_json(req.config_json)
         if not 0 <= req.shard < req.num_shards:
             raise InvalidRequestError(f"dynamic table shard {req.shard} out of range for {req.num_shards} shards")
@@ -299,11 +292,10 @@ class ParameterServerServicer:
 
     def dynamic_push(self, req: ps_pb2.DynamicPushRequest, context: grpc.ServicerContext) -> ps_pb2.DynamicPushResponse:
         self.replication.check_primary(self.task)
-        self._check_dynamic_replication()
         keys = decode_keys(req.keys, self.store.max_variable_bytes)
         grads = codec.tensor_from_proto(req.grads, self.store.max_variable_bytes)
         with self.run_fence.admit(req.update_id):
-            counts, dup = self.dynamic.push(req.table, keys, grads, req.update_id)
+            counts, dup = self.dynamic.push(req.table, keys, grads, req.update_id, wire=req)
         self.counters.add(pushes=1, bytes_pushed=grads.nbytes, duplicates=1 if dup else 0)
         if counts is None:
             return ps_pb2.DynamicPushResponse(duplicate=True)
@@ -318,11 +310,11 @@ class ParameterServerServicer:
         staged = save_restore.read_restore(req, self.store.max_variable_bytes, self.optimizers.get)
         dynamic = self.dynamic.read_restore(req)
         self.replication.check_primary(self.task)
-        if dynamic:
-            self._check_dynamic_replication()
         for name, value, opt, state in staged:  # install only once every entry was read and verified
             self.store.install(name, value, opt, state)
         self.dynamic.install(dynamic)
+        if self.replication.backup:
+            self.dynamic.forward_installs([t.config.name for t in dynamic])
         self.replication.forward_install([name for name, *_ in staged])
         return ps_pb2.RestoreResponse(restored=len(staged) + len(dynamic))
 
