@@ -111,3 +111,53 @@ def test_worker_sigkill_every_push_exactly_once() -> None:
         stats = table.stats()
         assert stats["pushes"] == sum(shard_pushes) and stats["rows"] == len(expected) == stats["inserts"]
         coord.shutdown()
+
+
+def test_ps_failover_keeps_every_push_exactly_once() -> None:
+    """Closures push to a dynamic table on 2 replicated PS tasks; the primary of ps:0 is SIGKILLed
+    (its backup takes over), restarted (attached again as the backup: full sync), then the promoted
+    backup is SIGKILLed too: every row ends at exactly minus the pushes of its key."""
+    import time
+
+    from jaxdist.testing import poll_for
+
+    n = 240
+    with jaxdist.LocalCluster(num_workers=2, num_ps=2, ps_backups=True) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            table = jaxdist.DynamicEmbedding(DIM, name="fo", initializer="zeros", learning_rate=1.0,
+                                             key_dtype="string")
+        coord = jaxdist.ClusterCoordinator(strategy)
+
+        def keys_of(i: int) -> list[str]:
+            return [f"k{i % 40}", f"k{(i * 3) % 40}", "hot"]
+
+        def work(i: int) -> None:
+            time.sleep(0.01)  # pacing only: the kills below wait for progress, not for time
+            table.apply_gradients(keys_of(i), np.ones((3, DIM), np.float32))
+
+        rvs = [coord.schedule(work, args=(i,)) for i in range(n)]
+
+        def finished() -> int:
+            return sum(1 for rv in rvs if rv.done())
+
+        poll_for(lambda: finished() >= n // 4, timeout=120)
+        cluster.kill("ps:0")
+        poll_for(lambda: strategy.replicas.failovers >= 1, timeout=60)  # type: ignore[union-attr]
+        cluster.restart("ps:0")
+        poll_for(lambda: strategy.replicas.status(0)[1], timeout=60)  # type: ignore[union-attr]
+        poll_for(lambda: finished() >= n // 2, timeout=120)
+        cluster.kill("ps_backup:0")
+        poll_for(lambda: strategy.replicas.failovers >= 2, timeout=60)  # type: ignore[union-attr]
+        coord.join()
+        assert [rv.fetch() for rv in rvs] == [None] * n
+        expected: dict[str, int] = {}
+        for i in range(n):
+            for k in keys_of(i):
+                expected[k] = expected.get(k, 0) + 1
+        keys = sorted(expected)
+        got = table.lookup(keys)
+        assert np.array_equal(got[:, 0], -np.array([expected[k] for k in keys], np.float32)), got[:, 0]
+        assert table.stats()["rows"] == len(expected)
+        coord.shutdown()
+        strategy.close()
