@@ -110,6 +110,21 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
                 _registered_method=True)
+        self.CreateDynamicTable = channel.unary_unary(
+                '/jaxdist.ParameterServer/CreateDynamicTable',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.FromString,
+                _registered_method=True)
+        self.DynamicLookup = channel.unary_unary(
+                '/jaxdist.ParameterServer/DynamicLookup',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.FromString,
+                _registered_method=True)
+        self.DynamicPush = channel.unary_unary(
+                '/jaxdist.ParameterServer/DynamicPush',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.FromString,
+                _registered_method=True)
 
 
 class ParameterServerServicer:
@@ -226,6 +241,27 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateDynamicTable(self, request, context):
+        """Dynamic (hash-keyed) embedding tables: one shard of a table per PS task
+        (jaxdist.ps_server.dynamic_table). A lookup is a pure read; a push applies
+        gradient rows exactly once per update_id (the store's dedupe table, the run fence).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DynamicLookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DynamicPush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ParameterServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -303,6 +339,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SyncSteps,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.SerializeToString,
+            ),
+            'CreateDynamicTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDynamicTable,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.SerializeToString,
+            ),
+            'DynamicLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DynamicLookup,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.SerializeToString,
+            ),
+            'DynamicPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.DynamicPush,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -710,6 +761,87 @@ class ParameterServer:
             '/jaxdist.ParameterServer/SyncSteps',
             jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateDynamicTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/CreateDynamicTable',
+            jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DynamicLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/DynamicLookup',
+            jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DynamicPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/DynamicPush',
+            jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,6 +18,7 @@ paths (:mod:`jaxdist.proto.ps_wire`), and so are the typed errors.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,6 +31,8 @@ import numpy as np
 from jaxdist.base.errors import ServerBusyError, StepBarrierTimeoutError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
+from jaxdist.ps_server.dynamic_table import DynamicTableConfig
+from jaxdist.ps_server.dynamic_tables import encode_keys
 from jaxdist.transport import dataplane
 from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
@@ -155,6 +158,10 @@ class PSClient(ServiceClient):
         self._promote = self._unary("Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
         self._begin_run = self._unary("BeginRun", ps_pb2.BeginRunRequest, ps_pb2.BeginRunResponse)
         self._sync_steps = self._unary("SyncSteps", ps_pb2.SyncStepsRequest, ps_pb2.SyncStepsResponse)
+        self._dyn_create = self._unary(
+            "CreateDynamicTable", ps_pb2.CreateDynamicTableRequest, ps_pb2.CreateDynamicTableResponse)
+        self._dyn_lookup = self._unary("DynamicLookup", ps_pb2.DynamicLookupRequest, ps_pb2.DynamicLookupResponse)
+        self._dyn_push = self._unary("DynamicPush", ps_pb2.DynamicPushRequest, ps_pb2.DynamicPushResponse)
 
     def close(self) -> None:
         with self._dp_lock:
@@ -410,6 +417,30 @@ class PSClient(ServiceClient):
         """Create variables (values travel as payload; initializers run on the PS)."""
         header, arrays = ps_wire.encode_create(specs)
         return list(self._send(header, arrays, timeout or create_deadline(specs)).versions)
+
+    # ---------------------------------------------------------- dynamic tables
+    def create_dynamic_table(self, config: DynamicTableConfig, shard: int, num_shards: int,
+                             timeout: float = 60.0) -> bool:
+        """Create this task's shard of a dynamic table; False: it existed with the same config (kept)."""
+        req = ps_pb2.CreateDynamicTableRequest(config_json=json.dumps(config.to_json()), shard=shard,
+                                               num_shards=num_shards)
+        return bool(self._call(self._dyn_create, req, timeout).created)
+
+    def dynamic_lookup(self, table: str, keys: np.ndarray | Sequence[str],
+                       timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` (the default vector where not admitted) and whether each was admitted."""
+        req = ps_pb2.DynamicLookupRequest(table=table)
+        encode_keys(keys, req.keys)
+        resp = self._call(self._dyn_lookup, req, timeout or deadline_for(len(keys) * 1024))
+        return codec.tensor_from_proto(resp.rows), codec.tensor_from_proto(resp.admitted)
+
+    def dynamic_push(self, table: str, keys: np.ndarray | Sequence[str], grads: np.ndarray, update_id: str = "",
+                     timeout: float | None = None) -> ps_pb2.DynamicPushResponse:
+        """Push gradient rows of ``keys`` (applied at most once per ``update_id``); the PS's counts."""
+        req = ps_pb2.DynamicPushRequest(table=table, update_id=update_id)
+        encode_keys(keys, req.keys)
+        codec.tensor_to_proto(grads, req.grads)
+        return self._call(self._dyn_push, req, timeout or deadline_for(np.asarray(grads).nbytes))
 
     # ------------------------------------------------------------- replication
     def replicate(self, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray], timeout: float | None = None) -> None:

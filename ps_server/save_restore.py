@@ -25,12 +25,16 @@ __all__ = ["export", "save", "read_restore", "Staged"]
 Staged = tuple[str, np.ndarray, "Optimizer | None", object]
 
 
-def save(store: VariableStore, req: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
+def save(
+    store: VariableStore, req: ps_pb2.SaveRequest,
+    extra: Callable[[], tuple[dict[str, np.ndarray], list[str]]] | None = None,
+) -> ps_pb2.SaveResponse:
     """Write every variable and optimizer state of ``store`` to ``req.directory/req.file_name``.
 
     Keys: ``param/<name>`` and ``opt/<name>/<i>`` (the i-th leaf of the optax
     state). Every variable lock is held while the file is written, so no push
-    is half in it.
+    is half in it. ``extra()`` (called while they are held) gives more arrays for the file and the
+    names of the dynamic tables they hold (``SaveResponse.dynamic_tables``).
 
     Raises:
         InvalidRequestError: no directory, a file name that is not a plain name
@@ -49,6 +53,10 @@ def save(store: VariableStore, req: ps_pb2.SaveRequest) -> ps_pb2.SaveResponse:
                 arrays[f"opt/{name}/{i}"] = np.asarray(leaf)
             sv = out.variables.add(name=name, version=version, optimizer_leaves=len(leaves))
             codec.spec_to_proto(value.shape, value.dtype, sv.spec)
+        if extra is not None:
+            more, tables = extra()
+            arrays.update(more)
+            out.dynamic_tables.extend(tables)
         # Arrays are immutable snapshots (in-place updates copy while readers exist),
         # but writing under the locks keeps the cut exact and simple.
         sha, nbytes = checkpoint_io.write_npz_atomic(directory, file_name, arrays)

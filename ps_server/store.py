@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -57,6 +57,8 @@ __all__ = [
     "DEFAULT_MAX_VARIABLE_BYTES", "ExportPart", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo",
     "VariableStore", "push_digest",
 ]
+
+_T = TypeVar("_T")
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_VARIABLE_BYTES = 8 << 30
@@ -563,6 +565,43 @@ class VariableStore:
                 with self._lock:
                     self._in_progress.pop(update_id).set()
         return versions, False
+
+    def apply_once(self, update_id: str, digest: str, change: Callable[[], _T]) -> tuple[_T | None, bool]:
+        """Run ``change`` (a change outside the variables: a dynamic table's push) at most once per
+        ``update_id``, with the same dedupe table as :meth:`apply`: a re-sent id is a duplicate
+        (``(None, True)``), a second call with an id in progress waits for the first, and an id
+        applied with another ``digest`` (another table) raises :class:`UpdateMismatchError`.
+        ``change`` raising records nothing (a refused push changes nothing, so its retry applies).
+        Without an ``update_id`` ``change`` just runs. Returns ``(change's result, False)``.
+        """
+        if not update_id:
+            return change(), False
+        while True:
+            with self._lock:
+                seen = self._applied.get(update_id)
+                if seen is not None:
+                    if seen and seen != digest:
+                        raise UpdateMismatchError(
+                            f"update {update_id!r} was applied naming other variables or tables than this push: "
+                            "an update identity names one push, give each different push an identity of its own")
+                    self.duplicates_dropped += 1
+                    return None, True
+                pending = self._in_progress.get(update_id)
+                if pending is None:
+                    self._in_progress[update_id] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            result = change()
+            with self._lock:
+                self.updates_applied += 1
+                self._applied[update_id] = digest
+                while len(self._applied) > self._dedupe_capacity:
+                    self._applied.popitem(last=False)
+        finally:
+            with self._lock:
+                self._in_progress.pop(update_id).set()
+        return result, False
 
     def validate(self, updates: Sequence[Update]) -> None:
         """Check a push (names, shapes, dtypes, indices, optimizers) without applying it.
