@@ -21,6 +21,7 @@ __all__ = [
     "PSUnavailableError",
     "NotPrimaryError",
     "StaleEpochError",
+    "BackupNotAttachedError",
     "RemoteError",
     "VariableNotFoundError",
     "VariableExistsError",
@@ -132,6 +133,17 @@ class StaleEpochError(JaxdistError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "STALE_EPOCH"
+
+
+class BackupNotAttachedError(JaxdistError):
+    """A replication message reached a PS task that is not an attached backup: a fresh process
+    at the backup's address (the backup restarted) that no full sync has made a backup yet.
+
+    Unlike :class:`StaleEpochError` it does not mean the sender was superseded: the primary
+    detaches that backup and goes on alone, and the coordinator attaches it again with a full sync."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "BACKUP_NOT_ATTACHED"
 
 
 class RemoteError(JaxdistError):

@@ -262,7 +262,7 @@ def run_job(args: argparse.Namespace) -> int:
         mgr = jaxdist.CheckpointManager(jaxdist.Checkpoint(strategy, coord, ledger=ds.ledger), args.ckpt, max_to_keep=2)
         resumed = mgr.restore_or_initialize()
         step = int(mgr.checkpoint.step)
-        emit({"ev": "started", "resumed": bool(resumed), "step": step, "t": time.time()})
+        emit({"ev": "started", "resumed": bool(resumed), "step": step, "t": time.time(), "path": resumed})
 
         def status_loop() -> None:
             while not stop_status.wait(0.3):
@@ -396,6 +396,7 @@ class Job:
         self.started: dict[str, Any] | None = None
         self.trained: dict[str, Any] | None = None
         self.final: dict[str, Any] | None = None
+        self.saved_before = 0  # the latest step runs before this one saved (set by Soak.start_job)
         self._next_id = 0
         self._pump = threading.Thread(target=self._read, daemon=True)
         self._pump.start()
@@ -579,8 +580,12 @@ class Soak:
 
     # ------------------------------------------------------------------ job runs
     def start_job(self) -> Job:
+        """Launch the next run. The previous run's process is gone and its output read (kill() and
+        close() wait for both), so ``saved_before`` is every step an earlier run acknowledged."""
         self.run += 1
+        saved_before = self.last_saved
         self.job = Job(self, self.run)
+        self.job.saved_before = saved_before
         return self.job
 
     def wait_started(self, job: Job, timeout: float) -> None:
@@ -589,9 +594,11 @@ class Soak:
             if time.monotonic() > deadline or not job.alive():
                 raise RuntimeError(f"job run {job.run} did not start; log:\n{job.tail()}")
             time.sleep(0.1)
-        if job.started["step"] < self.last_saved:
-            self.violations.append(f"run {job.run} resumed at step {job.started['step']} but step {self.last_saved} "
-                                   "was saved (an acknowledged checkpoint lost)")
+        # Against what earlier runs saved, not self.last_saved: by the time this poll sees the
+        # "started" line, the new run may have trained an epoch and saved it already.
+        if job.started["step"] < job.saved_before:
+            self.violations.append(f"run {job.run} resumed at step {job.started['step']} but step {job.saved_before} "
+                                   f"was saved (an acknowledged checkpoint lost): {job.started}")
 
     def _worker_chaos(self) -> None:
         while not self._stop_sampler.wait(self.chaos_rng.uniform(0.5, 1.5) * self.args.worker_chaos):

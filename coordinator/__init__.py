@@ -38,6 +38,7 @@ from jaxdist.partitioners import (
     Partitioner,
 )
 from jaxdist.cluster_coordinator.remote_value import PerWorkerValues, RemoteValue, RemoteValueStatus
+from jaxdist.dynamic_embedding import DynamicEmbedding
 from jaxdist.sharded_variable import ShardedVariable, embedding_lookup
 from jaxdist.strategy import ParameterServerStrategy, create_variable, create_variables
 from jaxdist.sync import (
@@ -126,6 +127,7 @@ __all__ = [
     "ClusterResolver",
     "ClusterSpec",
     "DataLedger",
+    "DynamicEmbedding",
     "FixedShardsPartitioner",
     "InputContext",
     "JaxdistError",

@@ -58,6 +58,7 @@ from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
 from jaxdist.ps_server.client import PSClient
+from jaxdist.ps_server.dynamic_table import DynamicTableConfig
 from jaxdist.sync import checkpointing as sync_ckpt
 from jaxdist.variables import variable_dtype
 
@@ -343,6 +344,16 @@ class Checkpoint:
             missing = {i: {n for n in names if (i, n) not in where} for i, names in self._placement().items()}
             if any(missing.values()):
                 raise _ShardsMissing({i: names for i, names in missing.items() if names})
+            dynamic = {}
+            for name, table in strategy.dynamic_tables.items():
+                holders = sorted(i for i, r in results.items() if name in r.dynamic_tables)
+                lacking = sorted(set(range(table.num_shards)) - set(holders))
+                if lacking:
+                    raise PSUnavailableError(
+                        f"ps:{lacking[0]} does not hold its shard of dynamic table {name!r} (it restarted empty?)",
+                        task=f"ps:{lacking[0]}")
+                dynamic[name] = {"config": table.config.to_json(), "num_shards": table.num_shards,
+                                 "files": [results[i].file_name for i in holders]}
             variables = {}
             for name, var in strategy.variables.items():
                 shards = []
@@ -359,6 +370,7 @@ class Checkpoint:
                 "num_ps": len(conns.clients),
                 "files": files,
                 "variables": variables,
+                "dynamic_tables": dynamic,
                 "ledger": ledger_state,
                 "metadata": self.metadata,
             }
@@ -373,6 +385,37 @@ class Checkpoint:
         return path
 
     # ----------------------------------------------------------------- restore
+    def _restore_dynamic_requests(
+        self, path: str, manifest: dict[str, Any], variables: list[str] | None, ps_tasks: set[int] | None,
+        by_ps: dict[int, ps_pb2.RestoreRequest],
+    ) -> None:
+        """Add the dynamic tables to restore to ``by_ps``: every table of the strategy (or those named in
+        ``variables``), each shard of the current layout rebuilt by its PS from every saved shard (keys
+        routed again by their hash: any saved shard count restores into any current one).
+
+        Raises:
+            ConfigurationError: the checkpoint lacks a table, or saved it with another config.
+        """
+        saved_tables = manifest.get("dynamic_tables") or {}
+        files = manifest["files"]
+        for name, table in self._ps_strategy().dynamic_tables.items():
+            if variables is not None and name not in variables:
+                continue
+            saved = saved_tables.get(name)
+            if saved is None:
+                raise ConfigurationError(f"checkpoint {path} has no dynamic table {name!r}")
+            if DynamicTableConfig.from_json(saved["config"]) != table.config:
+                raise ConfigurationError(
+                    f"dynamic table {name!r} is configured differently here than in {path}: {table.config} "
+                    f"against {saved['config']}")
+            config_json = json.dumps(table.config.to_json())
+            for shard in range(table.num_shards):
+                if ps_tasks is not None and shard not in ps_tasks:
+                    continue
+                e = by_ps[shard].dynamic.add(config_json=config_json, shard=shard, num_shards=table.num_shards)
+                for f in saved["files"]:
+                    e.files.add(file=f, sha256=files[f]["sha256"])
+
     def restore(
         self, path: str | None, variables: list[str] | None = None, ps_tasks: set[int] | None = None,
         quiesce_timeout: float | None = None,
@@ -407,7 +450,8 @@ class Checkpoint:
             assert self.ledger is not None
             self.ledger.check_restorable()  # before any variable changes: closures hold its positions
         files = manifest["files"]
-        names = variables if variables is not None else list(strategy.variables)
+        names = ([n for n in variables if n not in strategy.dynamic_tables] if variables is not None
+                 else list(strategy.variables))
         by_ps: dict[int, ps_pb2.RestoreRequest] = defaultdict(lambda: ps_pb2.RestoreRequest(directory=path))
         payloads: dict[int, tuple[bytes, str]] = {}  # one pickle per optimizer object, not per shard
         for name in names:
@@ -433,6 +477,7 @@ class Checkpoint:
                 for piece in _pieces(saved, row, shard.shape[0] if shard.shape else 0, bool(shard.shape)):
                     e.pieces.add(file=piece[0], source=piece[1], src_start=piece[2], src_stop=piece[3], dst_start=piece[4],
                                  sha256=files[piece[0]]["sha256"])
+        self._restore_dynamic_requests(path, manifest, variables, ps_tasks, by_ps)
         conns = strategy.connections
         with _quiet(self._pausing(), quiesce_timeout):
             conns.fan_out({ps: functools.partial(_restore_on, req) for ps, req in by_ps.items()})

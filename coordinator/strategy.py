@@ -155,6 +155,8 @@ class ParameterServerStrategy(PSStrategyMethods):
         self._closed = False
         #: Every variable created through this strategy, by name (checkpoints walk it).
         self.variables: dict[str, jv.Variable | ShardedVariable] = {}
+        #: Every jaxdist.DynamicEmbedding created through this strategy, by table name (checkpoints walk it).
+        self.dynamic_tables: dict[str, Any] = {}
         #: The optax transformation of every PS-side variable (shard), by shard name.
         self.optimizers: dict[str, Any] = {}
 

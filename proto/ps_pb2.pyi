@@ -34,6 +34,7 @@ class ReplicaKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REPLICA_UPDATE: _ClassVar[ReplicaKind]
     REPLICA_INSTALL: _ClassVar[ReplicaKind]
     REPLICA_DELETE: _ClassVar[ReplicaKind]
+    REPLICA_DYNAMIC: _ClassVar[ReplicaKind]
 
 class SyncStepsKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -62,6 +63,7 @@ REPLACE: IfExists
 REPLICA_UPDATE: ReplicaKind
 REPLICA_INSTALL: ReplicaKind
 REPLICA_DELETE: ReplicaKind
+REPLICA_DYNAMIC: ReplicaKind
 SYNC_STATUS: SyncStepsKind
 SYNC_CONFIGURE: SyncStepsKind
 SYNC_COMMIT: SyncStepsKind
@@ -231,16 +233,18 @@ class SavedVariable(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., optimizer_leaves: _Optional[int] = ...) -> None: ...
 
 class SaveResponse(_message.Message):
-    __slots__ = ("file_name", "sha256", "bytes", "variables")
+    __slots__ = ("file_name", "sha256", "bytes", "variables", "dynamic_tables")
     FILE_NAME_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_TABLES_FIELD_NUMBER: _ClassVar[int]
     file_name: str
     sha256: str
     bytes: int
     variables: _containers.RepeatedCompositeFieldContainer[SavedVariable]
-    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[SavedVariable, _Mapping]]] = ...) -> None: ...
+    dynamic_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[SavedVariable, _Mapping]]] = ..., dynamic_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("file", "source", "src_start", "src_stop", "dst_start", "sha256")
@@ -275,18 +279,98 @@ class RestoreEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ..., with_optimizer_state: _Optional[bool] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("directory", "entries")
+    __slots__ = ("directory", "entries", "dynamic")
     DIRECTORY_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_FIELD_NUMBER: _ClassVar[int]
     directory: str
     entries: _containers.RepeatedCompositeFieldContainer[RestoreEntry]
-    def __init__(self, directory: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[RestoreEntry, _Mapping]]] = ...) -> None: ...
+    dynamic: _containers.RepeatedCompositeFieldContainer[DynamicRestoreEntry]
+    def __init__(self, directory: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[RestoreEntry, _Mapping]]] = ..., dynamic: _Optional[_Iterable[_Union[DynamicRestoreEntry, _Mapping]]] = ...) -> None: ...
+
+class SavedFile(_message.Message):
+    __slots__ = ("file", "sha256")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    sha256: str
+    def __init__(self, file: _Optional[str] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class DynamicRestoreEntry(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards", "files")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    files: _containers.RepeatedCompositeFieldContainer[SavedFile]
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., files: _Optional[_Iterable[_Union[SavedFile, _Mapping]]] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
     __slots__ = ("restored",)
     RESTORED_FIELD_NUMBER: _ClassVar[int]
     restored: int
     def __init__(self, restored: _Optional[int] = ...) -> None: ...
+
+class ExportVariable(_message.Message):
+    __slots__ = ("name", "row_offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROW_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    row_offset: int
+    def __init__(self, name: _Optional[str] = ..., row_offset: _Optional[int] = ...) -> None: ...
+
+class ExportRequest(_message.Message):
+    __slots__ = ("directory", "file_name", "variables", "delta", "base_generation", "base_cut")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
+    BASE_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    BASE_CUT_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    file_name: str
+    variables: _containers.RepeatedCompositeFieldContainer[ExportVariable]
+    delta: bool
+    base_generation: str
+    base_cut: int
+    def __init__(self, directory: _Optional[str] = ..., file_name: _Optional[str] = ..., variables: _Optional[_Iterable[_Union[ExportVariable, _Mapping]]] = ..., delta: _Optional[bool] = ..., base_generation: _Optional[str] = ..., base_cut: _Optional[int] = ...) -> None: ...
+
+class ExportedVariable(_message.Message):
+    __slots__ = ("name", "spec", "whole", "rows")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    spec: _common_pb2.TensorSpec
+    whole: bool
+    rows: int
+    def __init__(self, name: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., whole: _Optional[bool] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class ExportResponse(_message.Message):
+    __slots__ = ("file_name", "sha256", "bytes", "variables", "generation", "cut", "delta_unavailable", "tables", "whole_tables")
+    FILE_NAME_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    VARIABLES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
+    DELTA_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_TABLES_FIELD_NUMBER: _ClassVar[int]
+    file_name: str
+    sha256: str
+    bytes: int
+    variables: _containers.RepeatedCompositeFieldContainer[ExportedVariable]
+    generation: str
+    cut: int
+    delta_unavailable: bool
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    whole_tables: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, file_name: _Optional[str] = ..., sha256: _Optional[str] = ..., bytes: _Optional[int] = ..., variables: _Optional[_Iterable[_Union[ExportedVariable, _Mapping]]] = ..., generation: _Optional[str] = ..., cut: _Optional[int] = ..., delta_unavailable: _Optional[bool] = ..., tables: _Optional[_Iterable[str]] = ..., whole_tables: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class InstallEntry(_message.Message):
     __slots__ = ("name", "value", "version", "optimizer", "optimizer_digest", "state")
@@ -305,7 +389,7 @@ class InstallEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[_Union[_common_pb2.TensorSpec, _Mapping]] = ..., version: _Optional[int] = ..., optimizer: _Optional[bytes] = ..., optimizer_digest: _Optional[str] = ..., state: _Optional[_Iterable[_Union[_common_pb2.TensorSpec, _Mapping]]] = ...) -> None: ...
 
 class ReplicaHeader(_message.Message):
-    __slots__ = ("epoch", "kind", "push", "installs", "deletes", "full_sync", "applied_ids")
+    __slots__ = ("epoch", "kind", "push", "installs", "deletes", "full_sync", "applied_ids", "dynamic_create", "dynamic_push", "dynamic_installs")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
@@ -313,6 +397,9 @@ class ReplicaHeader(_message.Message):
     DELETES_FIELD_NUMBER: _ClassVar[int]
     FULL_SYNC_FIELD_NUMBER: _ClassVar[int]
     APPLIED_IDS_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_CREATE_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_PUSH_FIELD_NUMBER: _ClassVar[int]
+    DYNAMIC_INSTALLS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     kind: ReplicaKind
     push: PushHeader
@@ -320,7 +407,30 @@ class ReplicaHeader(_message.Message):
     deletes: _containers.RepeatedScalarFieldContainer[str]
     full_sync: bool
     applied_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, epoch: _Optional[int] = ..., kind: _Optional[_Union[ReplicaKind, str]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., installs: _Optional[_Iterable[_Union[InstallEntry, _Mapping]]] = ..., deletes: _Optional[_Iterable[str]] = ..., full_sync: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    dynamic_create: CreateDynamicTableRequest
+    dynamic_push: DynamicPushRequest
+    dynamic_installs: _containers.RepeatedCompositeFieldContainer[DynamicInstall]
+    def __init__(self, epoch: _Optional[int] = ..., kind: _Optional[_Union[ReplicaKind, str]] = ..., push: _Optional[_Union[PushHeader, _Mapping]] = ..., installs: _Optional[_Iterable[_Union[InstallEntry, _Mapping]]] = ..., deletes: _Optional[_Iterable[str]] = ..., full_sync: _Optional[bool] = ..., applied_ids: _Optional[_Iterable[str]] = ..., dynamic_create: _Optional[_Union[CreateDynamicTableRequest, _Mapping]] = ..., dynamic_push: _Optional[_Union[DynamicPushRequest, _Mapping]] = ..., dynamic_installs: _Optional[_Iterable[_Union[DynamicInstall, _Mapping]]] = ...) -> None: ...
+
+class NamedTensor(_message.Message):
+    __slots__ = ("name", "tensor")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensor: _common_pb2.Tensor
+    def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DynamicInstall(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards", "arrays")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ARRAYS_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    arrays: _containers.RepeatedCompositeFieldContainer[NamedTensor]
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ..., arrays: _Optional[_Iterable[_Union[NamedTensor, _Mapping]]] = ...) -> None: ...
 
 class SetBackupRequest(_message.Message):
     __slots__ = ("address", "epoch")
@@ -399,3 +509,71 @@ class BeginRunResponse(_message.Message):
     PREVIOUS_RUN_ID_FIELD_NUMBER: _ClassVar[int]
     previous_run_id: str
     def __init__(self, previous_run_id: _Optional[str] = ...) -> None: ...
+
+class DynamicKeys(_message.Message):
+    __slots__ = ("ids", "strings", "is_string")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    STRINGS_FIELD_NUMBER: _ClassVar[int]
+    IS_STRING_FIELD_NUMBER: _ClassVar[int]
+    ids: _common_pb2.Tensor
+    strings: _containers.RepeatedScalarFieldContainer[str]
+    is_string: bool
+    def __init__(self, ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., strings: _Optional[_Iterable[str]] = ..., is_string: _Optional[bool] = ...) -> None: ...
+
+class CreateDynamicTableRequest(_message.Message):
+    __slots__ = ("config_json", "shard", "num_shards")
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    config_json: str
+    shard: int
+    num_shards: int
+    def __init__(self, config_json: _Optional[str] = ..., shard: _Optional[int] = ..., num_shards: _Optional[int] = ...) -> None: ...
+
+class CreateDynamicTableResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: bool
+    def __init__(self, created: _Optional[bool] = ...) -> None: ...
+
+class DynamicLookupRequest(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: DynamicKeys
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ...) -> None: ...
+
+class DynamicLookupResponse(_message.Message):
+    __slots__ = ("rows", "admitted")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    rows: _common_pb2.Tensor
+    admitted: _common_pb2.Tensor
+    def __init__(self, rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admitted: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
+
+class DynamicPushRequest(_message.Message):
+    __slots__ = ("table", "keys", "grads", "update_id")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: DynamicKeys
+    grads: _common_pb2.Tensor
+    update_id: str
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
+
+class DynamicPushResponse(_message.Message):
+    __slots__ = ("duplicate", "applied", "refused", "inserted", "evicted")
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    INSERTED_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_FIELD_NUMBER: _ClassVar[int]
+    duplicate: bool
+    applied: int
+    refused: int
+    inserted: int
+    evicted: int
+    def __init__(self, duplicate: _Optional[bool] = ..., applied: _Optional[int] = ..., refused: _Optional[int] = ..., inserted: _Optional[int] = ..., evicted: _Optional[int] = ...) -> None: ...

@@ -75,6 +75,11 @@ class ParameterServerStub:
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_unary(
+                '/jaxdist.ParameterServer/Export',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.ExportRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.ExportResponse.FromString,
+                _registered_method=True)
         self.Shutdown = channel.unary_unary(
                 '/jaxdist.ParameterServer/Shutdown',
                 request_serializer=jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.SerializeToString,
@@ -104,6 +109,21 @@ class ParameterServerStub:
                 '/jaxdist.ParameterServer/SyncSteps',
                 request_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
                 response_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
+                _registered_method=True)
+        self.CreateDynamicTable = channel.unary_unary(
+                '/jaxdist.ParameterServer/CreateDynamicTable',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.FromString,
+                _registered_method=True)
+        self.DynamicLookup = channel.unary_unary(
+                '/jaxdist.ParameterServer/DynamicLookup',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.FromString,
+                _registered_method=True)
+        self.DynamicPush = channel.unary_unary(
+                '/jaxdist.ParameterServer/DynamicPush',
+                request_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.SerializeToString,
+                response_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.FromString,
                 _registered_method=True)
 
 
@@ -166,6 +186,15 @@ class ParameterServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """Writes this PS's part of an export for serving to <directory>/<file_name> (numpy .npz): every
+        named variable whole, or (a delta) only the rows changed since the export cut `base_cut` of
+        tracker generation `base_generation`, then starts a new cut (ps_server/export_rows.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Shutdown(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -208,6 +237,27 @@ class ParameterServerServicer:
         """Synchronous and bounded-stale training (ps_server/sync_steps.py): the coordinator
         configures the step clock and changes its membership; workers commit their steps.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateDynamicTable(self, request, context):
+        """Dynamic (hash-keyed) embedding tables: one shard of a table per PS task
+        (jaxdist.ps_server.dynamic_table). A lookup is a pure read; a push applies
+        gradient rows exactly once per update_id (the store's dedupe table, the run fence).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DynamicLookup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DynamicPush(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -255,6 +305,11 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.RestoreRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.RestoreResponse.SerializeToString,
             ),
+            'Export': grpc.unary_unary_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.ExportRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.ExportResponse.SerializeToString,
+            ),
             'Shutdown': grpc.unary_unary_rpc_method_handler(
                     servicer.Shutdown,
                     request_deserializer=jaxdist_dot_proto_dot_common__pb2.ShutdownRequest.FromString,
@@ -284,6 +339,21 @@ def add_ParameterServerServicer_to_server(servicer, server):
                     servicer.SyncSteps,
                     request_deserializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.FromString,
                     response_serializer=jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.SerializeToString,
+            ),
+            'CreateDynamicTable': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateDynamicTable,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.SerializeToString,
+            ),
+            'DynamicLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.DynamicLookup,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.SerializeToString,
+            ),
+            'DynamicPush': grpc.unary_unary_rpc_method_handler(
+                    servicer.DynamicPush,
+                    request_deserializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.FromString,
+                    response_serializer=jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +583,33 @@ class ParameterServer:
             _registered_method=True)
 
     @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/Export',
+            jaxdist_dot_proto_dot_ps__pb2.ExportRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.ExportResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Shutdown(request,
             target,
             options=(),
@@ -664,6 +761,87 @@ class ParameterServer:
             '/jaxdist.ParameterServer/SyncSteps',
             jaxdist_dot_proto_dot_ps__pb2.SyncStepsRequest.SerializeToString,
             jaxdist_dot_proto_dot_ps__pb2.SyncStepsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateDynamicTable(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/CreateDynamicTable',
+            jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.CreateDynamicTableResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DynamicLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/DynamicLookup',
+            jaxdist_dot_proto_dot_ps__pb2.DynamicLookupRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.DynamicLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DynamicPush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxdist.ParameterServer/DynamicPush',
+            jaxdist_dot_proto_dot_ps__pb2.DynamicPushRequest.SerializeToString,
+            jaxdist_dot_proto_dot_ps__pb2.DynamicPushResponse.FromString,
             options,
             channel_credentials,
             insecure,

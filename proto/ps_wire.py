@@ -64,6 +64,8 @@ __all__ = [
     "check_file_name",
     "check_directory",
     "decode_save",
+    "ExportSpec",
+    "decode_export",
     "RestorePiece",
     "RestoreEntry",
     "decode_restore",
@@ -598,6 +600,41 @@ def decode_save(req: ps_pb2.SaveRequest) -> tuple[str, str]:
         InvalidRequestError: no directory, or a file name that is not a plain name.
     """
     return check_directory(req.directory), check_file_name(req.file_name)
+
+
+@dataclass
+class ExportSpec:
+    """A checked ExportRequest (:func:`decode_export`)."""
+
+    directory: str
+    file_name: str
+    variables: list[tuple[str, int]]  # (name on the PS, first row in the whole variable)
+    delta: bool
+    base_generation: str
+    base_cut: int
+
+
+def decode_export(req: ps_pb2.ExportRequest) -> ExportSpec:
+    """The export a request asks for.
+
+    Raises:
+        InvalidRequestError: no directory, a file name that is not a plain name, an empty or
+            repeated variable name, a negative row offset or base cut, a delta without a base.
+    """
+    directory, file_name = check_directory(req.directory), check_file_name(req.file_name)
+    names = [e.name for e in req.variables]
+    if not all(names):
+        raise InvalidRequestError("Export names a variable with an empty name")
+    if len(set(names)) != len(names):
+        raise InvalidRequestError("Export names a variable twice")
+    if any(e.row_offset < 0 for e in req.variables):
+        raise InvalidRequestError("Export: a negative row offset")
+    if req.base_cut < 0:
+        raise InvalidRequestError(f"Export: negative base cut {req.base_cut}")
+    if req.delta and not req.base_generation:
+        raise InvalidRequestError("Export: a delta needs the base it is relative to (base_generation, base_cut)")
+    return ExportSpec(directory, file_name, [(e.name, int(e.row_offset)) for e in req.variables], bool(req.delta),
+                      req.base_generation, int(req.base_cut))
 
 
 @dataclass

@@ -34,6 +34,7 @@ _BY_REASON: dict[str, type[E.JaxdistError]] = {
         E.WorkerRestartedError,
         E.NotPrimaryError,
         E.StaleEpochError,
+        E.BackupNotAttachedError,
         E.StaleRunError,
         E.UnidentifiedPushError,
         E.UpdateMismatchError,

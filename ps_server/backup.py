@@ -36,14 +36,16 @@ module is the protocol's state machine, free of sockets and tested on its own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from jaxdist.base.errors import InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
-from jaxdist.proto import ps_pb2, ps_wire
+from jaxdist.base.errors import BackupNotAttachedError, InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
+from jaxdist.proto import codec, ps_pb2, ps_wire
+from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_keys
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import Update, VariableStore
 
@@ -83,6 +85,8 @@ class Replication:
         # Set while this (backup) task applies what its primary forwarded.
         self._from_primary = threading.local()
         store.replicate = self._forward_update
+        #: This task's dynamic tables, replicated beside the variables (set by the servicer).
+        self.dynamic: DynamicTables | None = None
 
     # ----------------------------------------------------------- client side
     def check_primary(self, task: str) -> None:
@@ -105,8 +109,8 @@ class Replication:
             logger.error("superseded by a newer primary (backup %s refused epoch %d); stepping down", backup, self.epoch)
             raise NotPrimaryError(f"this PS was superseded (epoch {self.epoch})") from None
         except JaxdistError as e:
-            # Backup gone or broken: go on alone rather than stop training; the
-            # coordinator sees backup="" in GetStatus and attaches one again.
+            # Backup gone, broken or restarted (BackupNotAttachedError): go on alone rather than stop
+            # training; the coordinator sees backup="" in GetStatus and attaches one again.
             with self._lock:
                 if self.backup == backup:
                     self.backup = ""
@@ -122,6 +126,17 @@ class Replication:
             raise NotPrimaryError(f"this PS became a {self.role} (epoch {self.epoch}) during the push")
         if self.backup:
             self._deliver(*ps_wire.encode_replica_update(updates, update_id, self.epoch))
+
+    def forward_dynamic(self, header: ps_pb2.ReplicaHeader) -> None:
+        """Forward a change of a dynamic table (``header``'s dynamic fields set), called while the
+        table's apply lock is held, so the backup gets its changes in the order they were applied."""
+        if getattr(self._from_primary, "active", False):
+            return  # applying what the primary forwarded: nothing to forward
+        if self.role != "primary":
+            raise NotPrimaryError(f"this PS became a {self.role} (epoch {self.epoch}) during the change")
+        if self.backup:
+            header.epoch, header.kind = self.epoch, ps_pb2.REPLICA_DYNAMIC
+            self._deliver(header, [])
 
     def forward_install(self, names: Sequence[str]) -> None:
         """After creating/restoring ``names`` here: copy them to the backup."""
@@ -153,10 +168,11 @@ class Replication:
                     self._check_attach(epoch)
                     self.role, self.epoch, self.backup = "primary", epoch, ""
                 return 0, 0
-            with self.store.frozen() as snap:
+            with self.store.frozen() as snap, self._dynamic_frozen() as installs:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
                 header, arrays = ps_wire.encode_replica_install(
                     variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
+                header.dynamic_installs.extend(installs)
                 self._send(address, header, arrays)  # errors go to the coordinator, which retries
                 # Still under every lock: no push falls between the sync and forwarding, and
                 # every forward from here on carries the new epoch.
@@ -165,6 +181,9 @@ class Replication:
                     self.role, self.epoch, self.backup = "primary", epoch, address
         logger.info("backup %s attached at epoch %d (%d variables)", address, epoch, len(variables))
         return len(variables), sum(a.nbytes for a in arrays)
+
+    def _dynamic_frozen(self) -> contextlib.AbstractContextManager[list[ps_pb2.DynamicInstall]]:
+        return self.dynamic.frozen() if self.dynamic is not None else contextlib.nullcontext([])
 
     def _check_attach(self, epoch: int) -> None:
         if epoch < self.epoch:
@@ -192,8 +211,10 @@ class Replication:
             self._check_accept(header)
         if header.kind == ps_pb2.REPLICA_INSTALL:
             variables = ps_wire.decode_replica_installs(header, arrays, optimizer)
-        elif header.kind not in (ps_pb2.REPLICA_UPDATE, ps_pb2.REPLICA_DELETE):
+        elif header.kind not in (ps_pb2.REPLICA_UPDATE, ps_pb2.REPLICA_DELETE, ps_pb2.REPLICA_DYNAMIC):
             raise InvalidRequestError(f"unknown replication kind {header.kind}")
+        if (header.kind == ps_pb2.REPLICA_DYNAMIC or header.dynamic_installs) and self.dynamic is None:
+            raise InvalidRequestError("this PS keeps no dynamic tables")
         with self._lock:
             self._check_accept(header)  # again: a Promote or SetBackup may have come meanwhile
             if header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync:
@@ -207,16 +228,41 @@ class Replication:
         elif header.kind == ps_pb2.REPLICA_INSTALL:
             if header.full_sync:
                 self.store.replace_all(variables, list(header.applied_ids))
+                if self.dynamic is not None:
+                    self.dynamic.accept_installs(header.dynamic_installs, replace_all=True)
             else:
                 for name, value, opt, state, version in variables:
                     self.store.install(name, value, opt, state, version)
+        elif header.kind == ps_pb2.REPLICA_DYNAMIC:
+            assert self.dynamic is not None
+            self._accept_dynamic(header, self.dynamic)
         else:
             present = {i.name for i in self.store.info()}
             self.store.delete([n for n in header.deletes if n in present])
+
+    def _accept_dynamic(self, header: ps_pb2.ReplicaHeader, dynamic: DynamicTables) -> None:
+        """Apply a forwarded change of a dynamic table, exactly as the primary did (nothing forwarded on)."""
+        self._from_primary.active = True
+        try:
+            if header.HasField("dynamic_create"):
+                c = header.dynamic_create
+                dynamic.create(config_from_json(c.config_json), c.shard, c.num_shards)
+            elif header.HasField("dynamic_push"):
+                p = header.dynamic_push
+                dynamic.push(p.table, decode_keys(p.keys, self.store.max_variable_bytes),
+                             codec.tensor_from_proto(p.grads, self.store.max_variable_bytes), p.update_id)
+            else:
+                dynamic.accept_installs(header.dynamic_installs, replace_all=False)
+        finally:
+            self._from_primary.active = False
 
     def _check_accept(self, header: ps_pb2.ReplicaHeader) -> None:
         """(With ``_lock`` held.) StaleEpochError unless this task may apply ``header`` from its primary."""
         if header.epoch < self.epoch or (header.epoch == self.epoch and self.role == "primary" and self.epoch > 0):
             raise StaleEpochError(f"replication from epoch {header.epoch}; this PS is the {self.role} at epoch {self.epoch}")
         if not (header.kind == ps_pb2.REPLICA_INSTALL and header.full_sync) and self.role != "backup":
-            raise StaleEpochError("replication before a full sync: attach this backup with SetBackup first")
+            # Not a newer primary (that case is above): a task no full sync made a backup, e.g. a
+            # backup that restarted at its address. The sender must not step down for it.
+            raise BackupNotAttachedError(
+                f"replication before a full sync: this PS is a {self.role} at epoch {self.epoch}, not an attached "
+                "backup; the primary detaches it and the coordinator attaches it again (SetBackup)")

@@ -105,6 +105,14 @@ class PieceReader:
             self._files[file] = f
         return f
 
+    def array(self, file: str, sha: str, key: str) -> np.ndarray:
+        """The whole array ``key`` of ``file`` (checksum verified on first open).
+
+        Raises:
+            InvalidRequestError: a missing, corrupt or unreadable file or array.
+        """
+        return self._array(file, sha, key)
+
     def _array(self, file: str, sha: str, key: str) -> np.ndarray:
         arr = self._cache.get((file, key))
         if arr is None:

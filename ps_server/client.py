@@ -18,6 +18,7 @@ paths (:mod:`jaxdist.proto.ps_wire`), and so are the typed errors.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -30,6 +31,8 @@ import numpy as np
 from jaxdist.base.errors import ServerBusyError, StepBarrierTimeoutError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
+from jaxdist.ps_server.dynamic_table import DynamicTableConfig
+from jaxdist.ps_server.dynamic_tables import encode_keys
 from jaxdist.transport import dataplane
 from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
@@ -150,10 +153,15 @@ class PSClient(ServiceClient):
         self._shutdown = self._unary("Shutdown", common_pb2.ShutdownRequest, common_pb2.ShutdownResponse)
         self._save = self._unary("Save", ps_pb2.SaveRequest, ps_pb2.SaveResponse)
         self._restore = self._unary("Restore", ps_pb2.RestoreRequest, ps_pb2.RestoreResponse)
+        self._export = self._unary("Export", ps_pb2.ExportRequest, ps_pb2.ExportResponse)
         self._set_backup = self._unary("SetBackup", ps_pb2.SetBackupRequest, ps_pb2.SetBackupResponse)
         self._promote = self._unary("Promote", ps_pb2.PromoteRequest, ps_pb2.PromoteResponse)
         self._begin_run = self._unary("BeginRun", ps_pb2.BeginRunRequest, ps_pb2.BeginRunResponse)
         self._sync_steps = self._unary("SyncSteps", ps_pb2.SyncStepsRequest, ps_pb2.SyncStepsResponse)
+        self._dyn_create = self._unary(
+            "CreateDynamicTable", ps_pb2.CreateDynamicTableRequest, ps_pb2.CreateDynamicTableResponse)
+        self._dyn_lookup = self._unary("DynamicLookup", ps_pb2.DynamicLookupRequest, ps_pb2.DynamicLookupResponse)
+        self._dyn_push = self._unary("DynamicPush", ps_pb2.DynamicPushRequest, ps_pb2.DynamicPushResponse)
 
     def close(self) -> None:
         with self._dp_lock:
@@ -410,6 +418,30 @@ class PSClient(ServiceClient):
         header, arrays = ps_wire.encode_create(specs)
         return list(self._send(header, arrays, timeout or create_deadline(specs)).versions)
 
+    # ---------------------------------------------------------- dynamic tables
+    def create_dynamic_table(self, config: DynamicTableConfig, shard: int, num_shards: int,
+                             timeout: float = 60.0) -> bool:
+        """Create this task's shard of a dynamic table; False: it existed with the same config (kept)."""
+        req = ps_pb2.CreateDynamicTableRequest(config_json=json.dumps(config.to_json()), shard=shard,
+                                               num_shards=num_shards)
+        return bool(self._call(self._dyn_create, req, timeout).created)
+
+    def dynamic_lookup(self, table: str, keys: np.ndarray | Sequence[str],
+                       timeout: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` (the default vector where not admitted) and whether each was admitted."""
+        req = ps_pb2.DynamicLookupRequest(table=table)
+        encode_keys(keys, req.keys)
+        resp = self._call(self._dyn_lookup, req, timeout or deadline_for(len(keys) * 1024))
+        return codec.tensor_from_proto(resp.rows), codec.tensor_from_proto(resp.admitted)
+
+    def dynamic_push(self, table: str, keys: np.ndarray | Sequence[str], grads: np.ndarray, update_id: str = "",
+                     timeout: float | None = None) -> ps_pb2.DynamicPushResponse:
+        """Push gradient rows of ``keys`` (applied at most once per ``update_id``); the PS's counts."""
+        req = ps_pb2.DynamicPushRequest(table=table, update_id=update_id)
+        encode_keys(keys, req.keys)
+        codec.tensor_to_proto(grads, req.grads)
+        return self._call(self._dyn_push, req, timeout or deadline_for(np.asarray(grads).nbytes))
+
     # ------------------------------------------------------------- replication
     def replicate(self, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray], timeout: float | None = None) -> None:
         """Send one replication message (primary -> backup); see :mod:`jaxdist.ps_server.backup`."""
@@ -434,6 +466,10 @@ class PSClient(ServiceClient):
 
     def restore(self, req: ps_pb2.RestoreRequest, timeout: float = 600.0) -> int:
         return self._call(self._restore, req, timeout).restored
+
+    def export(self, req: ps_pb2.ExportRequest, timeout: float = 600.0) -> ps_pb2.ExportResponse:
+        """This PS's part of an export for serving (:func:`jaxdist.ps_server.save_restore.export`)."""
+        return self._call(self._export, req, timeout)
 
     # ----------------------------------------------------------------- control
     def list_variables(self, timeout: float = 10.0) -> list[ps_pb2.VariableInfo]:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -289,6 +289,9 @@ class DynamicTableShard:
     LRU and TTL.
     """
 
+    #: Evictions remembered for :meth:`changes_since` (the latest; older ones are forgotten).
+    EVICTION_LOG = 1 << 20
+
     def __init__(self, config: DynamicTableConfig, shard: int = 0, num_shards: int = 1) -> None:
         if not 0 <= shard < num_shards:
             raise ConfigurationError(f"shard {shard} out of range for {num_shards} shards")
@@ -301,6 +304,9 @@ class DynamicTableShard:
         self._pending: OrderedDict[Any, int] = OrderedDict()  # key -> sightings so far
         self._free: list[int] = []
         self._step = 0
+        # (step, key) of the latest evictions, oldest first; complete for steps >= _log_floor.
+        self._evicted_log: deque[tuple[int, Any]] = deque()
+        self._log_floor = 0
         self.counters = _Counters()
         cap = 16
         self._values = np.zeros((cap, *config.row_shape), dtype=config.dtype)
@@ -382,6 +388,10 @@ class DynamicTableShard:
         self._keys.extend([None] * (new - cap))
 
     def _remove(self, key: Any) -> None:
+        """Evict ``key`` (logged for :meth:`changes_since`)."""
+        self._evicted_log.append((self._step, key))
+        if len(self._evicted_log) > self.EVICTION_LOG:
+            self._log_floor = self._evicted_log.popleft()[0]
         slot = self._slot.pop(key)
         self._order.pop(key, None)
         self._keys[slot] = None
@@ -564,6 +574,44 @@ class DynamicTableShard:
         return n
 
     # ----------------------------------------------------------------- state
+    def changes_since(self, step: int) -> tuple[np.ndarray | list[str], np.ndarray, np.ndarray | list[str]]:
+        """What changed after shard step ``step`` (for incremental export): ``(changed keys, their
+        rows, evicted keys)``.
+
+        Changed: keys whose row was inserted or pushed at a step ``> step`` (rows as now). Evicted:
+        keys evicted at a step ``> step`` that have no row now (a key evicted and inserted again is
+        only in the changed keys; one inserted and evicted after ``step`` is in the evicted keys, so
+        deleting a key that is absent must be a no-op). Applying the evictions, then the changed rows,
+        to the shard's state at ``step`` gives its state now. Cost: O(rows) for the changed keys, O(evictions
+        logged) for the evicted ones. Read the current :attr:`step` in the same quiet point (no push
+        in between) to know where the next call starts.
+
+        Raises:
+            ConfigurationError: ``step`` is older than the eviction log reaches (it keeps the latest
+                :attr:`EVICTION_LOG` evictions, and none from before a restore): export in full.
+        """
+        int_keys = self.config.key_dtype == "int64"
+        with self._lock:
+            if step < self._log_floor:
+                raise ConfigurationError(
+                    f"dynamic table {self.config.name!r} shard {self.shard}: evictions since step {step} are no longer "
+                    f"logged (the log starts at step {self._log_floor}); export the table in full")
+            keys = list(self._slot)
+            sl = np.asarray([self._slot[k] for k in keys], dtype=np.int64)
+            mask = self._last[sl] > step if len(sl) else np.zeros(0, dtype=bool)
+            changed = [k for k, m in zip(keys, mask.tolist()) if m]
+            rows = self._values[sl[mask]].copy()
+            gone: dict[Any, None] = {}
+            for at, k in reversed(self._evicted_log):
+                if at <= step:
+                    break
+                if k not in self._slot:
+                    gone[k] = None
+        evicted = list(gone)
+        if int_keys:
+            return np.asarray(changed, dtype=np.int64), rows, np.asarray(evicted, dtype=np.int64)
+        return changed, rows, evicted
+
     def stats(self) -> dict[str, int]:
         """Rows, bytes and the cumulative counters (for /metrics and ``jaxdist status``)."""
         with self._lock:
@@ -608,6 +656,16 @@ class DynamicTableShard:
             a = np.asarray(arr)
             h.update(repr(a.tolist()).encode() if a.dtype == object else a.tobytes())
         return h.hexdigest()
+
+    @classmethod
+    def copy_of(
+        cls, config: DynamicTableConfig, export: dict[str, Any], shard: int = 0, num_shards: int = 1
+    ) -> DynamicTableShard:
+        """An exact copy of the shard that gave ``export`` (same placement; its own counters kept):
+        what a backup installs, so its :meth:`digest` equals the primary's."""
+        new = cls.restore(config, [export], shard, num_shards)
+        new.counters = _Counters(*(int(x) for x in export["counters"]))
+        return new
 
     @classmethod
     def restore(
@@ -656,6 +714,7 @@ class DynamicTableShard:
             )
         for k, c in pend:
             new._pending[k] = c
+        new._log_floor = new._step  # evictions before the restore are not known here
         if shard == 0:
             new.counters = _Counters(*(int(x) for x in total))
         return new

@@ -51,3 +51,21 @@ class PSCollector(Collector):
             for name, nbytes in sv.counters.variable_bytes(direction).items():
                 fam.add_metric([name], nbytes)
             yield fam
+        tables = sv.dynamic.stats()
+        gauges = {"rows": "Rows held, per dynamic table (this shard)",
+                  "bytes": "Bytes of rows and optimizer state, per dynamic table (this shard)",
+                  "pending_keys": "Keys waiting for admission, per dynamic table (this shard)"}
+        counts = {"inserts": "Rows inserted, per dynamic table", "admissions_refused":
+                  "Gradient rows dropped because their key was not admitted, per dynamic table",
+                  "evictions": "Rows evicted (capacity or time-to-live), per dynamic table",
+                  "pushes": "Pushes applied, per dynamic table"}
+        for stat, doc in gauges.items():
+            g = GaugeMetricFamily(f"jaxdist_ps_dynamic_{stat}", doc, labels=["table"])
+            for name, st in tables.items():
+                g.add_metric([name], float(st[stat]))
+            yield g
+        for stat, doc in counts.items():
+            c = CounterMetricFamily(f"jaxdist_ps_dynamic_{stat}", doc, labels=["table"])
+            for name, st in tables.items():
+                c.add_metric([name], float(st[stat]))
+            yield c

@@ -5,7 +5,8 @@ that does the work and encodes the answer:
 
 - the variables: :class:`~jaxdist.ps_server.store.VariableStore`;
 - optimizers sent by clients: :class:`~jaxdist.ps_server.optimizer_cache.OptimizerCache`;
-- Save/Restore: :mod:`jaxdist.ps_server.save_restore`;
+- Save/Restore/Export: :mod:`jaxdist.ps_server.save_restore` (exports' change tracking:
+  :mod:`jaxdist.ps_server.export_rows`);
 - primary/backup replication: :class:`~jaxdist.ps_server.backup.Replication`;
 - what is counted: :class:`~jaxdist.ps_server.counters.PSCounters`;
 - synchronous and bounded-stale steps (the step barrier pulls wait at, gradients
@@ -34,10 +35,11 @@ import numpy as np
 
 from jaxdist.base.errors import ConfigurationError, InvalidRequestError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
-from jaxdist.ps_server import save_restore
+from jaxdist.ps_server import export_rows, save_restore
 from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
+from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_keys
 from jaxdist.ps_server.optimizer_cache import OptimizerCache, unpickle
 from jaxdist.ps_server.run_fence import RunFence
 from jaxdist.ps_server.store import NewVariable, VariableStore
@@ -71,11 +73,17 @@ class ParameterServerServicer:
         self.replication = Replication(store, self._send_replica, self.optimizers.blob)
         self.sync = SyncSteps(store.apply_step, lambda name: store.spec(name)[1], store.was_applied)
         self.run_fence = RunFence(self.task)
+        self.dynamic = DynamicTables(store)
+        self.dynamic.forward = self.replication.forward_dynamic
+        self.replication.dynamic = self.dynamic
         self.incarnation = uuid.uuid4().hex
         self.started = time.monotonic()
         self.shutdown_event = threading.Event()
         self.data_port = 0  # set when a data plane serves this PS (announced in GetStatus)
         self.exit_code = 0
+        #: Keyed (dynamic) tables held here, by name: they take part in export cuts
+        #: (:class:`~jaxdist.ps_server.export_rows.CutParticipant`). A table registers itself.
+        self.keyed_tables: dict[str, export_rows.CutParticipant] = {}
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
@@ -87,12 +95,17 @@ class ParameterServerServicer:
             "GetStatus": unary_handler("GetStatus", common_pb2.Empty.FromString, self.get_status),
             "Save": unary_handler("Save", ps_pb2.SaveRequest.FromString, self.save),
             "Restore": unary_handler("Restore", ps_pb2.RestoreRequest.FromString, self.restore),
+            "Export": unary_handler("Export", ps_pb2.ExportRequest.FromString, self.export),
             "Shutdown": unary_handler("Shutdown", common_pb2.ShutdownRequest.FromString, self.shutdown),
             "Replicate": stream_in_handler("Replicate", self.replicate),
             "SetBackup": unary_handler("SetBackup", ps_pb2.SetBackupRequest.FromString, self.set_backup),
             "Promote": unary_handler("Promote", ps_pb2.PromoteRequest.FromString, self.promote),
             "BeginRun": unary_handler("BeginRun", ps_pb2.BeginRunRequest.FromString, self.begin_run),
             "SyncSteps": unary_handler("SyncSteps", ps_pb2.SyncStepsRequest.FromString, self.sync_steps),
+            "CreateDynamicTable": unary_handler(
+                "CreateDynamicTable", ps_pb2.CreateDynamicTableRequest.FromString, self.create_dynamic_table),
+            "DynamicLookup": unary_handler("DynamicLookup", ps_pb2.DynamicLookupRequest.FromString, self.dynamic_lookup),
+            "DynamicPush": unary_handler("DynamicPush", ps_pb2.DynamicPushRequest.FromString, self.dynamic_push),
         }
 
     def data_plane_handlers(self) -> dict[int, dataplane.Handler]:
@@ -263,17 +276,57 @@ class ParameterServerServicer:
         kind, contributor, staleness, members, step = ps_wire.decode_sync_request(req)
         return ps_wire.encode_sync_report(self.sync.control(kind, contributor, staleness, members, step))
 
+    # ---------------------------------------------------------- dynamic tables
+    def create_dynamic_table(
+        self, req: ps_pb2.CreateDynamicTableRequest, context: grpc.ServicerContext
+    ) -> ps_pb2.CreateDynamicTableResponse:
+        self.replication.check_primary(self.task)
+        config = config_from_json(req.config_json)
+        if not 0 <= req.shard < req.num_shards:
+            raise InvalidRequestError(f"dynamic table shard {req.shard} out of range for {req.num_shards} shards")
+        return ps_pb2.CreateDynamicTableResponse(created=self.dynamic.create(config, req.shard, req.num_shards))
+
+    def dynamic_lookup(self, req: ps_pb2.DynamicLookupRequest, context: grpc.ServicerContext) -> ps_pb2.DynamicLookupResponse:
+        self.replication.check_primary(self.task)
+        rows, admitted = self.dynamic.lookup(req.table, decode_keys(req.keys, self.store.max_variable_bytes))
+        out = ps_pb2.DynamicLookupResponse()
+        codec.tensor_to_proto(rows, out.rows)
+        codec.tensor_to_proto(admitted, out.admitted)
+        self.counters.add(pulls=1, bytes_pulled=rows.nbytes)
+        return out
+
+    def dynamic_push(self, req: ps_pb2.DynamicPushRequest, context: grpc.ServicerContext) -> ps_pb2.DynamicPushResponse:
+        self.replication.check_primary(self.task)
+        keys = decode_keys(req.keys, self.store.max_variable_bytes)
+        grads = codec.tensor_from_proto(req.grads, self.store.max_variable_bytes)
+        with self.run_fence.admit(req.update_id):
+            counts, dup = self.dynamic.push(req.table, keys, grads, req.update_id, wire=req)
+        self.counters.add(pushes=1, bytes_pushed=grads.nbytes, duplicates=1 if dup else 0)
+        if counts is None:
+            return ps_pb2.DynamicPushResponse(duplicate=True)
+        return ps_pb2.DynamicPushResponse(applied=counts["applied"], refused=counts["refused"],
+                                          inserted=counts["inserted"], evicted=counts["evicted"])
+
     # -------------------------------------------------------------- checkpoint
     def save(self, req: ps_pb2.SaveRequest, context: grpc.ServicerContext) -> ps_pb2.SaveResponse:
-        return save_restore.save(self.store, req)
+        return save_restore.save(self.store, req, self.dynamic.save_arrays)
+
+    def export(self, req: ps_pb2.ExportRequest, context: grpc.ServicerContext) -> ps_pb2.ExportResponse:
+        # A deposed primary's or a backup's changes are not the shard's: only the primary exports.
+        self.replication.check_primary(self.task)
+        return save_restore.export(self.store, req, [self.keyed_tables[n] for n in sorted(self.keyed_tables)])
 
     def restore(self, req: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         staged = save_restore.read_restore(req, self.store.max_variable_bytes, self.optimizers.get)
+        dynamic = self.dynamic.read_restore(req)
         self.replication.check_primary(self.task)
         for name, value, opt, state in staged:  # install only once every entry was read and verified
             self.store.install(name, value, opt, state)
+        self.dynamic.install(dynamic)
+        if self.replication.backup:
+            self.dynamic.forward_installs([t.config.name for t in dynamic])
         self.replication.forward_install([name for name, *_ in staged])
-        return ps_pb2.RestoreResponse(restored=len(staged))
+        return ps_pb2.RestoreResponse(restored=len(staged) + len(dynamic))
 
     # ----------------------------------------------------------------- control
     def list_variables(self, req: ps_pb2.ListVariablesRequest, context: grpc.ServicerContext) -> ps_pb2.ListVariablesResponse:
@@ -300,6 +353,7 @@ class ParameterServerServicer:
         counters["replica_forwarded"] = float(r.forwarded)
         counters["replica_degraded"] = float(r.degraded_events)
         counters["sync_steps_applied"] = float(self.sync.steps_applied)
+        counters.update(self.dynamic.status_counters())
         return common_pb2.TaskStatus(
             role="ps", index=self.task_index, incarnation=self.incarnation,
             uptime_s=time.monotonic() - self.started, counters=counters, data_port=self.data_port,

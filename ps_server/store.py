@@ -20,6 +20,10 @@ Contract:
 - Values handed out by :meth:`read` are snapshots: later updates never change
   an array a reader already holds (dense updates build new arrays; in-place
   row updates copy first while a reader holds the array).
+- Every change is tracked for incremental exports (:attr:`VariableStore.changes`,
+  :mod:`jaxdist.ps_server.export_rows`): a push marks the rows it changes (or the
+  whole variable) under the variable's lock, while it applies them;
+  :meth:`VariableStore.export_cut` takes the marks under every lock.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -46,12 +50,15 @@ from jaxdist.base.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto.ps_wire import SPARSE_OPS, IfExists, Op, Update, transfer_dtype
+from jaxdist.ps_server.export_rows import ALL, ChangeTracker, CutParticipant, CutResult, RowChanges, bitmap_ids
 from jaxdist.ps_server.optimizer import Optimizer
 
 __all__ = [
-    "DEFAULT_MAX_VARIABLE_BYTES", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo", "VariableStore",
-    "push_digest",
+    "DEFAULT_MAX_VARIABLE_BYTES", "ExportPart", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo",
+    "VariableStore", "push_digest",
 ]
+
+_T = TypeVar("_T")
 
 #: Default limit on one variable (shard); bigger ones get RESOURCE_EXHAUSTED.
 DEFAULT_MAX_VARIABLE_BYTES = 8 << 30
@@ -121,6 +128,8 @@ class _Variable:
     #: ``(version, dtype, array)``: the value cast to a narrower float for narrow pulls
     #: (mixed precision), made once per version and shared by every worker pulling it.
     narrow: tuple[int, np.dtype, np.ndarray] | None = None
+    #: The rows changed per export segment (set when the variable enters a store).
+    changes: RowChanges | None = None
 
     def narrow_value(self, dtype: np.dtype) -> np.ndarray:
         """The value in ``dtype`` (call with the lock held); a new array per version, never written."""
@@ -159,6 +168,21 @@ class NewVariable:
 
 
 @dataclass
+class ExportPart:
+    """One variable as an export cut gives it (:meth:`VariableStore.export_cut`): ``value`` (the
+    whole variable, a read snapshot) or ``ids`` (changed local rows, int64 ascending) and ``rows``
+    (their values, copies)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    version: int
+    value: np.ndarray | None = None
+    ids: np.ndarray | None = None
+    rows: np.ndarray | None = None
+
+
+@dataclass
 class ReadResult:
     value: np.ndarray | None  # None when not modified
     version: int
@@ -183,6 +207,8 @@ class VariableStore:
         #: the order they were applied here). Replication forwards the push to the
         #: backup from here; if it raises, the push is not acknowledged.
         self.replicate: Callable[[Sequence[Update], str], None] | None = None
+        #: Export cuts and the changes between them (:mod:`jaxdist.ps_server.export_rows`).
+        self.changes = ChangeTracker()
 
     # ------------------------------------------------------------------ create
     def create(
@@ -236,9 +262,14 @@ class VariableStore:
                     if n.name in kept:
                         versions.append(self._vars[n.name].version)
                     else:
-                        self._vars[n.name] = built[n.name]
+                        self._vars[n.name] = self._tracked(built[n.name])
                         versions.append(built[n.name].version)
                 return versions
+
+    def _tracked(self, var: _Variable) -> _Variable:
+        """``var`` with its change record (wholly changed: it is new to every earlier export cut)."""
+        var.changes = self.changes.new_rows(var.shape[0] if var.shape else 0)
+        return var
 
     def _refuse_taken(self, news: Sequence[NewVariable]) -> None:
         """(With ``_lock`` held.) VariableExistsError for the first FAIL entry whose name is taken."""
@@ -331,6 +362,75 @@ class VariableStore:
                 stack.enter_context(v.lock)
             yield [(v.name, v.value, v.opt_state, v.version) for v in vars_]
 
+    @contextmanager
+    def export_cut(
+        self, names: Sequence[str], base_generation: str, base_cut: int, delta: bool,
+        participants: Sequence[CutParticipant] = (),
+    ) -> Iterator[tuple[CutResult, list[ExportPart], list[tuple[np.ndarray, np.ndarray, Any]]]]:
+        """Make an export cut (:meth:`ChangeTracker.cut`) with every variable lock and every
+        participant's lock held, and give ``names`` as they are at the cut.
+
+        Yields ``(result, parts, keyed)``: per name an :class:`ExportPart`: whole (a full export,
+        or a variable changed as a whole since the base) or its changed rows (a delta); per
+        participant ``(keys, values, evicted keys)``: its rows (all, or those updated since the
+        base) and the keys evicted since the base. The locks are released before the yield; whole
+        values are read snapshots until the context closes (updates meanwhile copy). When the
+        delta cannot be answered (``result.available`` False) nothing changed and ``parts`` is empty.
+
+        Raises:
+            VariableNotFoundError: a name is not here (nothing changes).
+        """
+        while True:
+            with self._lock:
+                vars_ = sorted(self._vars.values(), key=lambda v: v.name)
+                wanted = [self._get(n) for n in names]
+            with ExitStack() as stack:
+                for v in vars_:
+                    stack.enter_context(v.lock)
+                for p in participants:
+                    stack.enter_context(p.lock)
+                with self._lock:
+                    if len(self._vars) != len(vars_) or any(self._vars.get(v.name) is not v for v in vars_):
+                        continue  # a create, install or delete came between: cut again
+                    changes: list[Any] = [v.changes for v in vars_] + [p.changes for p in participants]
+                    result, unions = self.changes.cut(base_generation, base_cut, delta, changes)
+                if not result.available:
+                    parts: list[ExportPart] = []
+                    keyed: list[tuple[np.ndarray, np.ndarray, Any]] = []
+                else:
+                    union_of = {v.name: unions[i] for i, v in enumerate(vars_)} if unions is not None else {}
+                    parts = [self._export_part(v, union_of.get(v.name, ALL)) for v in wanted]
+                    keyed = []
+                    for j, p in enumerate(participants):
+                        u: Any = unions[len(vars_) + j] if unions is not None else ALL
+                        if u is ALL:
+                            keys, values = p.gather(None)
+                            keyed.append((keys, values, None))
+                        else:
+                            keys, values = p.gather(set(u.updated) if u is not None else set())
+                            keyed.append((keys, values, sorted(u.evicted) if u is not None else []))
+            break
+        try:
+            yield result, parts, keyed
+        finally:
+            for v, part in zip(wanted, parts):
+                if part.value is not None:
+                    with v.lock:
+                        if v.value is part.value and v.readers:
+                            v.readers -= 1
+
+    @staticmethod
+    def _export_part(var: _Variable, union: Any) -> ExportPart:
+        """(Under ``var``'s lock.) ``var`` whole (a read snapshot: readers + 1) or its changed rows."""
+        part = ExportPart(var.name, var.shape, var.dtype, var.version)
+        ids = bitmap_ids(union, var.shape[0] if var.shape else 0) if var.shape else None
+        if ids is None:
+            part.value = var.value
+            var.readers += 1
+        else:
+            part.ids, part.rows = ids, var.value[ids]
+        return part
+
     def install(self, name: str, value: np.ndarray, optimizer: Optimizer | None, opt_state: Any = None, version: int = 1) -> None:
         """Create or replace ``name`` with the given value and optimizer state (checkpoint restore)."""
         value = np.array(value, copy=True, order="C")
@@ -339,7 +439,7 @@ class VariableStore:
         if optimizer is not None:
             var.opt_state = opt_state if opt_state is not None else optimizer.init(value)
         with self._lock:
-            self._vars[name] = var
+            self._vars[name] = self._tracked(var)
 
     def applied_ids(self) -> list[str]:
         """Update ids applied here (oldest first), for a backup's dedupe table: each entry is
@@ -356,7 +456,10 @@ class VariableStore:
             fresh[name] = _Variable(name=name, shape=tuple(value.shape), dtype=value.dtype, value=value,
                                     optimizer=optimizer, opt_state=opt_state, version=version)
         with self._lock:
-            self._vars = fresh
+            # A new tracking generation: this store's history is another's now, so no delta
+            # relative to an earlier cut can be answered (the next export is a full one).
+            self.changes.restart()
+            self._vars = {name: self._tracked(var) for name, var in fresh.items()}
             self._applied = OrderedDict(_split_applied(i) for i in applied_ids)
 
     def optimizer_of(self, name: str) -> Optimizer | None:
@@ -463,6 +566,43 @@ class VariableStore:
                     self._in_progress.pop(update_id).set()
         return versions, False
 
+    def apply_once(self, update_id: str, digest: str, change: Callable[[], _T]) -> tuple[_T | None, bool]:
+        """Run ``change`` (a change outside the variables: a dynamic table's push) at most once per
+        ``update_id``, with the same dedupe table as :meth:`apply`: a re-sent id is a duplicate
+        (``(None, True)``), a second call with an id in progress waits for the first, and an id
+        applied with another ``digest`` (another table) raises :class:`UpdateMismatchError`.
+        ``change`` raising records nothing (a refused push changes nothing, so its retry applies).
+        Without an ``update_id`` ``change`` just runs. Returns ``(change's result, False)``.
+        """
+        if not update_id:
+            return change(), False
+        while True:
+            with self._lock:
+                seen = self._applied.get(update_id)
+                if seen is not None:
+                    if seen and seen != digest:
+                        raise UpdateMismatchError(
+                            f"update {update_id!r} was applied naming other variables or tables than this push: "
+                            "an update identity names one push, give each different push an identity of its own")
+                    self.duplicates_dropped += 1
+                    return None, True
+                pending = self._in_progress.get(update_id)
+                if pending is None:
+                    self._in_progress[update_id] = threading.Event()
+                    break
+            pending.wait()
+        try:
+            result = change()
+            with self._lock:
+                self.updates_applied += 1
+                self._applied[update_id] = digest
+                while len(self._applied) > self._dedupe_capacity:
+                    self._applied.popitem(last=False)
+        finally:
+            with self._lock:
+                self._in_progress.pop(update_id).set()
+        return result, False
+
     def validate(self, updates: Sequence[Update]) -> None:
         """Check a push (names, shapes, dtypes, indices, optimizers) without applying it.
 
@@ -503,17 +643,31 @@ class VariableStore:
                 self._apply_one(var, upd, idx)
                 var.version += 1
                 versions.append(var.version)
-            if self.replicate is not None:
-                self.replicate(updates, update_id)
-            # Recorded before the locks are released: a snapshot (checkpoint, backup
-            # sync) that contains this push's effect also contains its id.
-            with self._lock:
-                self.updates_applied += 1
-                if update_id:
-                    self._applied[update_id] = digest
-                    while len(self._applied) > self._dedupe_capacity:
-                        self._applied.popitem(last=False)
+            try:
+                if self.replicate is not None:
+                    self.replicate(updates, update_id)
+            finally:
+                # Recorded before the locks are released: a snapshot (checkpoint, backup
+                # sync) that contains this push's effect also contains its id. Recorded
+                # also when replication refused the push (this task stepped down, or
+                # became a backup meanwhile): the values here changed all the same, and
+                # the client's retry must find it applied if this task serves it again
+                # (the coordinator may keep it as the primary), not apply it twice.
+                self._record(unique, update_id, digest)
         return versions
+
+    def _record(self, touched: Sequence[_Variable], update_id: str, digest: str) -> None:
+        """Count a push whose values changed ``touched`` and put its id in the dedupe table,
+        unless a full sync or restore replaced those variables meanwhile (the change is gone
+        with them, and the table is the replacement's)."""
+        with self._lock:
+            if any(self._vars.get(v.name) is not v for v in touched):
+                return
+            self.updates_applied += 1
+            if update_id:
+                self._applied[update_id] = digest
+                while len(self._applied) > self._dedupe_capacity:
+                    self._applied.popitem(last=False)
 
     def _check_indices(self, var: _Variable, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices)
@@ -549,6 +703,14 @@ class VariableStore:
 
     def _apply_one(self, var: _Variable, upd: Update, idx: np.ndarray | None) -> None:
         op, value = upd.op, upd.value
+        # Marked before the change (a push that fails half way marks what it may have changed).
+        # Rows: scatters and the lazy row rule; everything else (a dense rule, the exact row mode,
+        # whose dense rule may move any row, an assign) changes the whole variable.
+        assert var.changes is not None
+        if idx is not None and (op is not Op.SPARSE_APPLY_GRADIENT or (var.optimizer is not None and var.optimizer.lazy)):
+            var.changes.mark_rows(idx)
+        else:
+            var.changes.mark_all()
         if op is Op.APPLY_GRADIENT or (op is Op.SPARSE_APPLY_GRADIENT and var.optimizer is not None and not var.optimizer.lazy):
             # A dense step, or the exact mode (rows travelled, the dense rule runs here; duplicate
             # ids add up inside it).

@@ -36,6 +36,7 @@ SLOW: tuple[str, ...] = (
     "tests/integration/test_transfer_dtype.py::test_mixed_precision_pull_halves_pulled_bytes",
     "tests/multiprocess/test_ps_staleness_failures.py::test_sigkilled_worker_is_dropped_and_synchronous_training_completes",
     "tests/multiprocess/test_lifecycle.py::test_coordinator_shutdown_code_is_every_tasks_exit_code[with_block_raises]",
+    "tests/multiprocess/test_dynamic_embedding_processes.py::",
 )
 
 #: The static checks: their own CI step, and not in the fast lane (mypy alone takes ~25 s).

@@ -223,7 +223,30 @@ def format_table(rows: list[TaskRow]) -> str:
     probed = [r for r in rows if r.health != "-"]
     up = sum(r.health in ("up", "restarted") for r in probed)
     out.append(f"{up}/{len(probed)} tasks answering; throughput since the previous refresh (first refresh: since task start)")
+    out.extend(_dynamic_tables(rows))
     return "\n".join(out)
+
+
+#: Per-table figures a PS reports as ``dynamic/<table>/<name>`` counters, and their column titles.
+_DYNAMIC_COLUMNS = (("rows", "ROWS"), ("bytes", "BYTES"), ("inserts", "INSERTS"),
+                    ("admissions_refused", "REFUSED"), ("evictions", "EVICTIONS"))
+
+
+def _dynamic_tables(rows: list[TaskRow]) -> list[str]:
+    """Lines of a second table: each dynamic embedding table's shard on each PS (none: no lines)."""
+    lines: list[list[str]] = []
+    for r in rows:
+        tables = sorted({k.split("/")[1] for k in r.counters if k.startswith("dynamic/") and k.count("/") >= 2})
+        for t in tables:
+            c = [r.counters.get(f"dynamic/{t}/{k}", 0.0) for k, _ in _DYNAMIC_COLUMNS]
+            lines.append([t, r.task, f"{c[0]:.0f}", _bytes(c[1]), f"{c[2]:.0f}", f"{c[3]:.0f}", f"{c[4]:.0f}"])
+    if not lines:
+        return []
+    header = ["DYNAMIC TABLE", "TASK"] + [title for _, title in _DYNAMIC_COLUMNS]
+    table = [header] + lines
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    return [""] + ["  ".join(c.rjust(w) if i >= 2 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+                   for row in table]
 
 
 def build_parser() -> argparse.ArgumentParser:

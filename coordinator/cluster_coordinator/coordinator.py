@@ -266,7 +266,8 @@ class Cluster:
         for w in list(self._workers):
             s = self.failures.worker_status(w.index)
             rows.append({"task": w.task, "address": w.address, "healthy": s.healthy, "closures_done": s.closures_done,
-                         "failures": s.failures, "left": s.left, "functions_shipped": w.functions_shipped})
+                         "failures": s.failures, "left": s.left, "functions_shipped": w.functions_shipped,
+                         "busy": w.busy})
         return rows
 
     def dispatch_counters(self) -> dict[str, int]:
@@ -709,7 +710,8 @@ class ClusterCoordinator:
 
     def status(self) -> list[dict[str, Any]]:
         """One row per worker slot: ``task``, ``address``, ``healthy`` (takes closures), ``left``
-        (departed), ``closures_done``, ``failures`` (times declared failed), ``functions_shipped``."""
+        (departed), ``closures_done``, ``failures`` (times declared failed), ``functions_shipped``, ``busy`` (a
+        RunClosures call to it is in flight: it is handed nothing more until that call answers)."""
         return self._cluster.status()
 
     # ------------------------------------------------------- elastic workers

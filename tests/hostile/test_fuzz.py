@@ -282,7 +282,8 @@ PS_EXPECTED: dict[str, grpc.StatusCode] = {
     "replicate_malformed_full_sync": INVALID,
 }
 
-PS_UNARY = ["ListVariables", "DeleteVariables", "GetStatus", "Save", "Restore", "Shutdown", "SetBackup", "Promote"]
+PS_UNARY = ["ListVariables", "DeleteVariables", "GetStatus", "Save", "Restore", "Shutdown", "SetBackup", "Promote",
+            "CreateDynamicTable", "DynamicLookup", "DynamicPush"]
 PS_ALL = PS_UNARY + ["Pull", "Push", "Replicate"]
 
 

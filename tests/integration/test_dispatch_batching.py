@@ -41,9 +41,18 @@ def _sleeper(seconds: float):  # noqa: ANN202 - a fresh function object (its own
     return closure
 
 
+def _all_idle(coord: jaxdist.ClusterCoordinator) -> bool:
+    """Every worker healthy with no call in flight. join() returns once the closures settled, a
+    moment before the dispatcher marks their workers idle again (and an overloaded machine can
+    stretch that moment): a batch released before then would find fewer idle workers to spread over."""
+    return all(w["healthy"] and not w["busy"] for w in coord.status())
+
+
 def _calls_for(coord: jaxdist.ClusterCoordinator, fn, n: int) -> tuple[int, list]:  # noqa: ANN001
-    """RunClosures calls made for ``n`` closures of ``fn`` queued at once (dispatch held meanwhile)."""
+    """RunClosures calls made for ``n`` closures of ``fn`` queued at once (dispatch held meanwhile),
+    released when every worker is idle."""
     coord.join()
+    poll_for(lambda: _all_idle(coord), 60, what="every worker idle after join()")
     before = coord.dispatch_counters()
     with coord.paused():
         rvs = [coord.schedule(fn) for _ in range(n)]

@@ -695,13 +695,16 @@ def test_keras_fit_example_on_parameter_servers() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_bench_keras_ps_prints_its_figures() -> None:
-    """bench/bench_keras_ps.py (one tiny round): both contenders' medians, the ratio, the embedding figure."""
+    """bench/bench_keras_ps.py (one tiny round): both contenders' medians, the ratio, the embedding figure.
+    The smallest run that makes every figure: one worker (a process and its compiles fewer), one closure of
+    4 steps per epoch, 2 epochs (the first is not timed), 4 embedding steps per epoch over 2 PS."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
-        [sys.executable, str(root / "bench" / "bench_keras_ps.py"), "--rounds", "1", "--epochs", "2", "--steps", "8",
-         "--spe", "4", "--batch", "32", "--hidden", "32", "--vocab", "20000", "--dim", "8", "--emb-examples", "256"],
+        [sys.executable, str(root / "bench" / "bench_keras_ps.py"), "--rounds", "1", "--epochs", "2", "--steps", "4",
+         "--spe", "4", "--batch", "32", "--hidden", "32", "--vocab", "20000", "--dim", "8", "--emb-examples", "128",
+         "--workers", "1", "--ps", "2"],
         env=subprocess_env(), capture_output=True, text=True, timeout=380, cwd=root)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]

@@ -32,8 +32,11 @@ SCRIPT = textwrap.dedent(
     cluster = None
     if strategy_name == "ps":
         # One worker: its closures run in order, so the asynchronous run is deterministic. The cluster is this
-        # script's: SIGKILLed, its tasks exit with it, and the re-run starts fresh parameter servers.
-        cluster = jaxdist.LocalCluster(num_workers=1, num_ps=2, log_dir=f"{backup_dir}-logs-{kill_at}").start()
+        # script's, in its process (real gRPC services): SIGKILLed, its tasks die with it, and the re-run starts
+        # fresh parameter servers. (A LocalCluster of task processes would do the same at the cost of starting
+        # three more processes per run.)
+        from jaxdist.testing import InProcessCluster
+        cluster = InProcessCluster(num_workers=1, num_ps=2).start()
     # One strategy for both runs (a multi-process one is made once, before any other JAX call).
     strategy = {"mirrored": jaxdist.MirroredStrategy, "default": jaxdist.get_strategy,
                 "multi_worker": lambda: jaxdist.MultiWorkerMirroredStrategy(init_timeout_s=60, peer_timeout_s=20),
@@ -76,7 +79,7 @@ SCRIPT = textwrap.dedent(
         "weights": [w.tolist() for w in ref_model.get_weights()], "history": ref_history,
         "iterations": int(ref_model.optimizer.iterations.numpy())}}), flush=True)
     if cluster is not None:
-        strategy.coordinator.shutdown()
+        strategy.coordinator.shutdown(exit_tasks=False)
         strategy.close()
         cluster.stop()
     """
@@ -90,7 +93,7 @@ SCRIPT = textwrap.dedent(
     ("mirrored", 2, 2, "1,5", 6),   # steps_per_execution=2: callbacks at batches 1, 3, 5; the backup of 6 comes first
     ("default", 1, 2, "2,2", 2),    # killed after the 3rd batch of the last epoch; backup of 2
     ("mirrored", 1, 2, "1,0", 0),   # killed before epoch 1's first backup: resumes from epoch 0's end (fresh metrics)
-    # ParameterServerStrategy: the coordinator script (and its local cluster) SIGKILLed with closures in flight;
+    # ParameterServerStrategy: the coordinator script (and its cluster) SIGKILLed with closures in flight;
     # the backups were taken at quiet points, the re-run restores fresh parameter servers from the last one.
     ("ps", 1, 2, "1,4", 4),
     ("ps", 2, 2, "1,5", 6),

@@ -75,6 +75,27 @@ def test_the_checks_catch_each_violation(nemesis: ModuleType, tmp_path: Path) ->
     assert "whole number of epochs" in violations(_final(13, 4, 10, B))[0]
 
 
+def test_a_resumed_run_is_checked_against_what_earlier_runs_saved(nemesis: ModuleType, tmp_path: Path) -> None:
+    """The new run may save before the driver sees its "started" line: only earlier runs' saves count."""
+    args = argparse.Namespace(seed=1, faults=list(nemesis.KINDS), minutes=1.0, batches=4, epochs=10, out=None)
+    soak = nemesis.Soak(args, nemesis.Lab(), tmp_path)
+
+    class Started:
+        run = 2
+
+        def __init__(self, step: int, saved_before: int) -> None:
+            self.started, self.saved_before = {"step": step}, saved_before
+
+        def alive(self) -> bool:
+            return True
+
+    soak.last_saved = 24  # the re-run resumed at 16 and saved 24 before the driver polled
+    soak.wait_started(Started(16, saved_before=16), 1.0)
+    assert soak.violations == []
+    soak.wait_started(Started(16, saved_before=24), 1.0)  # an earlier run saved 24: lost
+    assert len(soak.violations) == 1 and "resumed at step 16 but step 24 was saved" in soak.violations[0]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_short_soak_one_round_of_every_fault_kind(nemesis: ModuleType, tmp_path: Path) -> None:

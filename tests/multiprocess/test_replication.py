@@ -10,7 +10,7 @@ import optax
 import pytest
 
 import jaxdist
-from jaxdist.errors import NotPrimaryError, PSUnavailableError, StaleEpochError
+from jaxdist.errors import BackupNotAttachedError, NotPrimaryError, PSUnavailableError, StaleEpochError
 from jaxdist.proto import codec, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import Op, PullSpec, Update
 from jaxdist.ps_server.client import PSClient
@@ -182,4 +182,31 @@ def test_counter_is_exact_despite_sigkill_of_primaries() -> None:
         assert int(c1.numpy()) == n
         assert strategy.replicas.pairs[0][0] == cluster.address("ps:0")  # type: ignore[union-attr]
         coord.shutdown()
+        strategy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.multiprocess
+def test_a_restarted_backup_is_detached_and_the_push_applied_once_over_grpc() -> None:
+    """The backup restarts at its address and nobody has attached it again yet: the primary's next
+    forward reaches a fresh process, which answers BackupNotAttachedError. The primary goes on alone
+    (degraded, still the primary) and applies the push once; it does not step down as if superseded
+    (which had left the push applied without its id, so the client's retry applied it twice)."""
+    with jaxdist.LocalCluster(num_workers=1, num_ps=1, ps_backups=True) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            v = jaxdist.create_variable(np.zeros(4, dtype=np.float32), name="v")
+        v.assign_add(np.ones(4, np.float32))
+        cluster.kill("ps_backup:0")
+        cluster.restart("ps_backup:0")  # a fresh process at the same address, not a backup yet
+        with PSClient(cluster.address("ps_backup:0"), cluster.credentials, task="ps_backup:0") as fresh:
+            header, arrays = ps_wire.encode_replica_update([Update("v", Op.ASSIGN_ADD, np.ones(4, np.float32))], "r/1/x.1", 1)
+            with pytest.raises(BackupNotAttachedError) as e:
+                fresh.replicate(header, arrays)
+            assert e.value.grpc_code == grpc.StatusCode.FAILED_PRECONDITION
+        v.assign_add(np.ones(4, np.float32))  # forwarded to the fresh process: refused, the primary goes on
+        np.testing.assert_array_equal(v.numpy(), [2.0] * 4)
+        with PSClient(cluster.address("ps:0"), cluster.credentials, task="ps:0") as primary:
+            st = primary.status()
+            assert st.counters["replica_role"] == 0.0 and st.counters["replica_degraded"] >= 1
         strategy.close()

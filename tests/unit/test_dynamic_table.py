@@ -244,3 +244,49 @@ def test_hostile_input_is_refused_and_changes_nothing() -> None:
         DynamicTableConfig("t", (2,), dtype="int32")
     with pytest.raises(ConfigurationError):
         RowOptimizer("rmsprop")
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_changes_since_turn_an_earlier_state_into_the_current_one(key_dtype: str) -> None:
+    cfg = DynamicTableConfig("c", (2,), key_dtype=key_dtype, optimizer=RowOptimizer("adagrad", 0.1),
+                             admission=AdmissionConfig(min_count=2), eviction=EvictionConfig(capacity=25, ttl_steps=12))
+    t = DynamicTableShard(cfg)
+    rng = np.random.default_rng(4)
+
+    def keys(n: int) -> object:
+        k = (rng.zipf(1.3, size=n) % 90).astype(np.int64)
+        return k if key_dtype == "int64" else [f"s{x}" for x in k.tolist()]
+
+    def state() -> dict[object, list[float]]:
+        e = t.export()
+        return {k: v.tolist() for k, v in zip(e["keys"].tolist(), e["values"])}
+
+    for _ in range(20):
+        t.apply(keys(8), rng.standard_normal((8, 2)).astype(np.float32))
+    evictions_before = t.stats()["evictions"]
+    mark, snapshot = t.step, state()
+    for _ in range(30):
+        t.apply(keys(8), rng.standard_normal((8, 2)).astype(np.float32))
+    assert t.stats()["evictions"] > evictions_before  # the delta has evictions to carry
+    changed, rows, evicted = t.changes_since(mark)
+    for k in list(evicted):
+        snapshot.pop(k, None)  # a key inserted and evicted after the mark was never in the snapshot
+    for k, r in zip(list(changed), rows):
+        snapshot[k] = r.tolist()
+    assert snapshot == state()
+    assert len(t.changes_since(t.step)[0]) == 0 and len(t.changes_since(t.step)[2]) == 0
+
+
+def test_changes_since_refuses_a_step_older_than_its_eviction_log() -> None:
+    cfg = DynamicTableConfig("c", (1,), eviction=EvictionConfig(capacity=1))
+    t = DynamicTableShard(cfg)
+    t.EVICTION_LOG = 3  # type: ignore[misc]
+    for k in range(10):
+        t.apply(np.array([k]), np.ones((1, 1), np.float32))
+    t.changes_since(7)
+    with pytest.raises(ConfigurationError):
+        t.changes_since(2)
+    restored = DynamicTableShard.restore(cfg, [t.export()])
+    with pytest.raises(ConfigurationError):
+        restored.changes_since(restored.step - 1)
+    assert len(restored.changes_since(restored.step)[0]) == 0

@@ -1,0 +1,233 @@
+"""DynamicEmbedding: a hash-keyed embedding table on the parameter servers, for custom loops.
+
+A :class:`DynamicEmbedding` has no vocabulary fixed in advance: its keys are int64 ids or strings,
+and it grows as training pushes gradients for new keys, bounded by admission and eviction. It is
+spread over every PS task of the strategy that creates it: a key lives on the shard
+``shard_of(hash(key), num_ps)`` (a stable hash, independent of the table's seed). Each shard is a
+:class:`~jaxdist.ps_server.dynamic_table.DynamicTableShard`; this module's handle only routes keys
+and moves rows (see docs/dynamic-embeddings.md for the rules a shard applies).
+
+Like a :class:`~jaxdist.variables.Variable`, the handle pickles as its description (name, config,
+number of shards): inside a closure on a worker it uses the worker's connections, and a push carries
+the closure's identity (one per push to the table, counted per table), so a re-run closure's pushes
+are applied exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+from operator import methodcaller
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxdist.base.errors import ConfigurationError
+from jaxdist.ps_server.connections import PSConnections
+from jaxdist.ps_server.dynamic_table import (
+    AdmissionConfig,
+    DynamicTableConfig,
+    EvictionConfig,
+    RowOptimizer,
+    hash_keys,
+    shard_of,
+    validate_keys,
+)
+from jaxdist.ps_server.dynamic_tables import STAT_NAMES, dynamic_push_digest
+from jaxdist.strategy import get_ps_strategy
+from jaxdist.variables import refuse_in_compiled_code
+from jaxdist.worker.context import current_ps, next_update_id
+
+__all__ = ["DynamicEmbedding"]
+
+logger = logging.getLogger(__name__)
+
+
+class DynamicEmbedding:
+    """A dynamic (hash-keyed) embedding table sharded over the strategy's PS tasks.
+
+    Create it inside ``ParameterServerStrategy.scope()``; read rows with :meth:`lookup` and push
+    gradient rows with :meth:`apply_gradients`, on the coordinator or inside closures on workers.
+
+    Args:
+        dim: the row shape (an int for vectors, or a tuple).
+        name: the table's name (unique among the strategy's dynamic tables).
+        key_dtype: ``"int64"`` or ``"string"``.
+        dtype: the rows' float dtype.
+        initializer: ``"normal"``, ``"uniform"`` or ``"zeros"``; a new row is a pure function of
+            ``(seed, key)`` (scaled by ``init_scale``).
+        default_value: what a key not (yet) admitted reads (every element).
+        optimizer: the per-row rule: ``"sgd"``, ``"adagrad"`` or ``"lazy_adam"``.
+        learning_rate: the rule's learning rate.
+        optimizer_options: other :class:`~jaxdist.ps_server.dynamic_table.RowOptimizer` fields
+            (``b1``, ``b2``, ``eps``, ``initial_accumulator``).
+        min_count: a key gets a row at the push that brings its occurrences to ``min_count``.
+        admit_probability: a key is admitted iff a uniform number derived from its hash is below it.
+        max_pending: keys waiting for admission held per shard (the oldest are forgotten).
+        capacity: rows kept per shard (evicting by ``eviction_policy``, ``"lru"`` or ``"lfu"``).
+        ttl_steps: a row not pushed for more than this many pushes to its shard is evicted.
+        max_bytes_per_shard: bound on one shard's rows and optimizer state; a push that would pass
+            it is refused (:class:`~jaxdist.errors.PayloadTooLargeError`) and changes nothing.
+
+    Raises:
+        ConfigurationError: no ParameterServerStrategy scope is open, or an invalid setting.
+    """
+
+    def __init__(
+        self,
+        dim: int | Sequence[int],
+        *,
+        name: str = "dynamic_embedding",
+        key_dtype: str = "int64",
+        dtype: str = "float32",
+        initializer: str = "normal",
+        init_scale: float = 0.05,
+        seed: int = 0,
+        default_value: float = 0.0,
+        optimizer: str = "sgd",
+        learning_rate: float = 0.01,
+        optimizer_options: dict[str, float] | None = None,
+        min_count: int = 1,
+        admit_probability: float = 1.0,
+        max_pending: int = 1 << 20,
+        capacity: int | None = None,
+        eviction_policy: str = "lru",
+        ttl_steps: int | None = None,
+        max_bytes_per_shard: int = 8 << 30,
+    ) -> None:
+        strategy = get_ps_strategy()
+        row_shape = (int(dim),) if isinstance(dim, (int, np.integer)) else tuple(int(d) for d in dim)
+        self.config = DynamicTableConfig(
+            name=name, row_shape=row_shape, dtype=str(np.dtype(dtype)), key_dtype=key_dtype, seed=seed,
+            initializer=initializer, init_scale=init_scale, default_value=default_value,
+            optimizer=RowOptimizer(optimizer, learning_rate, **(optimizer_options or {})),
+            admission=AdmissionConfig(min_count, admit_probability, max_pending),
+            eviction=EvictionConfig(capacity, eviction_policy, ttl_steps),
+            max_bytes=max_bytes_per_shard,
+        )
+        self.num_shards = strategy.num_ps
+        self._conns: PSConnections | None = strategy.connections
+        cfg = self.config
+        self._conns.fan_out({i: methodcaller("create_dynamic_table", cfg, i, self.num_shards)
+                             for i in range(self.num_shards)})
+        strategy.dynamic_tables[name] = self
+        logger.info("dynamic table %r created on %d PS tasks", name, self.num_shards)
+
+    # ------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        return self.config.row_shape
+
+    def __repr__(self) -> str:
+        return (f"<jaxdist.DynamicEmbedding {self.name!r} rows={self.row_shape} keys={self.config.key_dtype} "
+                f"shards={self.num_shards}>")
+
+    def __getstate__(self) -> tuple[Any, ...]:
+        return (self.config.to_json(), self.num_shards)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        cfg, self.num_shards = state
+        self.config = DynamicTableConfig.from_json(cfg)
+        self._conns = None  # on a worker: the worker's connections
+
+    def connections(self) -> PSConnections:
+        return self._conns if self._conns is not None else current_ps()
+
+    # ------------------------------------------------------------- routing
+    def _route(self, keys: Any) -> tuple[np.ndarray | list[str], tuple[int, ...], np.ndarray, np.ndarray]:
+        """``(flat keys, keys' shape, distinct-key index of each key, shard of each distinct key)``
+        with the distinct keys in first-occurrence order (checked against the table's key type)."""
+        if self.config.key_dtype == "int64":
+            arr = np.asarray(keys)
+            shape = arr.shape
+            flat = validate_keys(arr.reshape(-1), "int64")
+            assert isinstance(flat, np.ndarray)
+            uniq, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+            order = np.argsort(first, kind="stable")
+            rank = np.empty_like(order)
+            rank[order] = np.arange(len(order))
+            distinct: np.ndarray | list[str] = uniq[order]
+            inv = rank[inverse.reshape(-1)]
+        else:
+            if isinstance(keys, str):
+                raise ConfigurationError("string keys come as a list (or array) of str, not one str")
+            arr = np.asarray(keys, dtype=object)
+            shape = arr.shape
+            flat_s = validate_keys(arr.reshape(-1).tolist(), "string")
+            at: dict[str, int] = {}
+            inv = np.fromiter((at.setdefault(k, len(at)) for k in flat_s), dtype=np.int64, count=len(flat_s))
+            distinct = list(at)
+        shards = shard_of(hash_keys(distinct), self.num_shards)
+        return distinct, shape, inv, shards
+
+    @staticmethod
+    def _pick(distinct: np.ndarray | list[str], idx: np.ndarray) -> np.ndarray | list[str]:
+        if isinstance(distinct, np.ndarray):
+            return distinct[idx]
+        return [distinct[int(i)] for i in idx]
+
+    # ----------------------------------------------------------- reading
+    def lookup(self, keys: Any) -> np.ndarray:
+        """Rows of ``keys`` (any shape): an array of shape ``keys.shape + row_shape``.
+
+        A pure read: a key with a row reads it, an admitted key without one reads its initializer
+        row, a key not admitted reads the default vector. Each distinct key travels once, to its shard.
+        """
+        refuse_in_compiled_code("read", [self.name])
+        distinct, shape, inv, shards = self._route(keys)
+        cfg = self.config
+        rows = np.empty((len(distinct), *cfg.row_shape), dtype=cfg.dtype)
+        where = {int(s): np.flatnonzero(shards == s) for s in np.unique(shards)}
+        if where:
+            got = self.connections().fan_out(
+                {s: methodcaller("dynamic_lookup", self.name, self._pick(distinct, idx)) for s, idx in where.items()})
+            for s, idx in where.items():
+                rows[idx] = got[s][0]
+        return rows[inv].reshape(shape + cfg.row_shape)
+
+    # ----------------------------------------------------------- writing
+    def apply_gradients(self, keys: Any, grads: Any) -> dict[str, int]:
+        """Push gradient rows of ``keys`` (``grads`` shaped ``keys.shape + row_shape``); each shard
+        applies its rows with the table's per-row rule, at most once (the push's identity).
+
+        Duplicate keys are summed by the shard (each occurrence counts for admission). Returns the push's counts over every shard:
+        ``applied``, ``refused`` (gradient rows dropped by admission), ``inserted``, ``evicted``
+        (all zero for a push a PS had already applied: a re-run closure's).
+        """
+        refuse_in_compiled_code("updated", [self.name])
+        distinct, shape, inv, shards = self._route(keys)
+        cfg = self.config
+        g = np.asarray(grads)
+        if g.shape != shape + cfg.row_shape:
+            raise ConfigurationError(
+                f"gradient rows of shape {g.shape} for keys of shape {shape} and rows {cfg.row_shape} of {self.name!r}")
+        flat = g.reshape((-1, *cfg.row_shape))
+        if flat.dtype.kind == "f" and flat.dtype.itemsize > 4:
+            flat = flat.astype(np.float32)  # the shard computes in float32: wider travels for nothing
+        key_shard = shards[inv]
+        # Every occurrence travels (the shard sums duplicates, and counts occurrences for admission).
+        conns = self.connections()
+        update_id = next_update_id(own_connections=self._conns is not None, signature=dynamic_push_digest(self.name))
+        calls = {}
+        for s in np.unique(shards):
+            at = np.flatnonzero(key_shard == s)
+            calls[int(s)] = methodcaller("dynamic_push", self.name, self._pick(distinct, inv[at]),
+                                         np.ascontiguousarray(flat[at]), update_id)
+        out = {"applied": 0, "refused": 0, "inserted": 0, "evicted": 0}
+        for resp in conns.fan_out(calls).values():
+            for k in out:
+                out[k] += int(getattr(resp, k))
+        return out
+
+    # ------------------------------------------------------------- status
+    def stats(self) -> dict[str, int]:
+        """The table's counters summed over its shards: rows, bytes, inserts, admissions refused,
+        evictions, pushes (applied, per shard) and keys pending admission."""
+        conns = self.connections()
+        statuses = conns.fan_out({i: methodcaller("status") for i in range(self.num_shards)})
+        prefix = f"dynamic/{self.name}/"
+        return {k: int(sum(st.counters.get(prefix + k, 0.0) for st in statuses.values())) for k in STAT_NAMES}

@@ -1,0 +1,233 @@
+"""jaxdist.DynamicEmbedding in an in-process cluster (2 PS, 2 workers): a small model trained with
+closures gives the same rows and counters as DynamicTableShard used directly (one per PS task, keys
+routed by shard_of); string keys; a re-run closure's push is applied once; hostile input."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxdist
+from jaxdist.errors import ConfigurationError, DTypeMismatchError, PayloadTooLargeError
+from jaxdist.ps_server.dynamic_table import DynamicTableShard, hash_keys, shard_of
+from jaxdist.testing import InProcessCluster
+
+pytestmark = pytest.mark.timeout(180)
+
+DIM = 4
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[tuple[jaxdist.ParameterServerStrategy, jaxdist.ClusterCoordinator]]:
+    with InProcessCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coord = jaxdist.ClusterCoordinator(strategy)
+        yield strategy, coord
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+
+
+class ShardedReference:
+    """The table as DynamicTableShards used directly: one per PS task, keys routed by shard_of."""
+
+    def __init__(self, table: jaxdist.DynamicEmbedding) -> None:
+        self.n = table.num_shards
+        self.shards = [DynamicTableShard(table.config, i, self.n) for i in range(self.n)]
+
+    def _split(self, keys: Any) -> list[np.ndarray]:
+        flat = list(np.asarray(keys, dtype=object).reshape(-1)) if not isinstance(keys, np.ndarray) or keys.dtype == object else keys.reshape(-1)
+        sh = shard_of(hash_keys(flat), self.n)
+        return [np.flatnonzero(sh == s) for s in range(self.n)]
+
+    def lookup(self, keys: np.ndarray) -> np.ndarray:
+        flat = keys.reshape(-1)
+        out = np.empty((len(flat), DIM), np.float32)
+        for s, at in enumerate(self._split(flat)):
+            if len(at):
+                out[at] = self.shards[s].lookup(flat[at])[0]
+        return out.reshape(keys.shape + (DIM,))
+
+    def apply(self, keys: np.ndarray, grads: np.ndarray) -> None:
+        flat, g = keys.reshape(-1), grads.reshape(-1, DIM)
+        for s, at in enumerate(self._split(flat)):
+            if len(at):
+                self.shards[s].apply(flat[at], g[at])
+
+    def stats(self) -> dict[str, int]:
+        per = [sh.stats() for sh in self.shards]
+        return {k: sum(p[k] for p in per) for k in ("rows", "bytes", "inserts", "admissions_refused", "evictions",
+                                                   "pushes", "pending_keys")}
+
+
+W = np.linspace(-1.0, 1.0, DIM).astype(np.float32)
+
+
+def _loss(rows: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.mean((rows.sum(axis=1) @ W - y) ** 2)
+
+
+def _batches(n: int, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = (rng.zipf(1.3, size=(8, 3)) % 500).astype(np.int64)  # repeats within and across batches
+        out.append((ids, rng.standard_normal(8).astype(np.float32)))
+    return out
+
+
+def test_training_matches_the_shards_used_directly(env) -> None:  # type: ignore[no-untyped-def]
+    strategy, coord = env
+    with strategy.scope():
+        table = jaxdist.DynamicEmbedding(
+            DIM, name="items", seed=3, optimizer="lazy_adam", learning_rate=0.05, min_count=2, capacity=60,
+            eviction_policy="lfu", ttl_steps=25)
+    ref = ShardedReference(table)
+
+    def step(ids: np.ndarray, y: np.ndarray) -> float:
+        rows = table.lookup(ids)  # on the worker, through its connections
+        loss, g = jax.value_and_grad(_loss)(jnp.asarray(rows), jnp.asarray(y))
+        table.apply_gradients(ids, np.asarray(g))
+        return float(loss)
+
+    for ids, y in _batches(60):
+        # One step at a time (join): the pushes reach the shards in the reference's order.
+        rv = coord.schedule(step, args=(ids, y))
+        coord.join()
+        rows = ref.lookup(ids)
+        loss, g = jax.value_and_grad(_loss)(jnp.asarray(rows), jnp.asarray(y))
+        assert rv.fetch() == float(loss)
+        ref.apply(ids, np.asarray(g))
+    probe = np.arange(500, dtype=np.int64)
+    assert np.array_equal(table.lookup(probe), ref.lookup(probe))
+    stats = table.stats()
+    assert stats == ref.stats()
+    assert stats["evictions"] > 0 and stats["admissions_refused"] > 0 and stats["pushes"] > 60
+    for s, sh in enumerate(ref.shards):  # each PS task holds exactly its shard's keys
+        mine = probe[shard_of(hash_keys(probe), 2) == s]
+        served = strategy.connections.client(s).dynamic_lookup("items", mine)
+        want = sh.lookup(mine)
+        assert np.array_equal(served[0], want[0]) and np.array_equal(served[1], want[1])
+
+
+def test_string_keys_on_the_coordinator(env) -> None:  # type: ignore[no-untyped-def]
+    strategy, _ = env
+    with strategy.scope():
+        table = jaxdist.DynamicEmbedding(DIM, name="users", key_dtype="string", optimizer="adagrad", learning_rate=0.1)
+    ref = ShardedReference(table)
+    keys = np.array([["u:1", "u:2"], ["u:1", "ü:3"]], dtype=object)
+    g = np.ones((2, 2, DIM), np.float32)
+    table.apply_gradients(keys, g)
+    ref.apply(keys, g)
+    got = table.lookup(keys)
+    assert got.shape == (2, 2, DIM)
+    assert np.array_equal(got, ref.lookup(keys))
+    with pytest.raises(DTypeMismatchError):
+        table.lookup(np.array([1, 2], np.int64))
+
+
+def test_rerun_closure_push_is_applied_once(env) -> None:  # type: ignore[no-untyped-def]
+    strategy, coord = env
+    with strategy.scope():
+        table = jaxdist.DynamicEmbedding(DIM, name="once", initializer="zeros", learning_rate=1.0)
+    import pickle
+
+    from jaxdist.worker.context import ClosureIdentity, TaskContext, use
+
+    ids = np.arange(10, dtype=np.int64)
+    worker_side = pickle.loads(pickle.dumps(table))  # no connections of its own, as in a closure
+    for _attempt in range(2):  # the same closure identity twice: a re-run after a worker failure
+        with use(TaskContext(ps=strategy.connections, identity=ClosureIdentity(f"{coord.run_id}/closure7"))):
+            worker_side.apply_gradients(ids, np.ones((10, DIM), np.float32))
+    assert np.array_equal(table.lookup(ids), -np.ones((10, DIM), np.float32))
+    assert table.stats()["pushes"] == len(set(shard_of(hash_keys(ids), 2).tolist()))
+
+
+def test_hostile_input_changes_nothing(env) -> None:  # type: ignore[no-untyped-def]
+    strategy, _ = env
+    with strategy.scope():
+        table = jaxdist.DynamicEmbedding(DIM, name="bounded", max_bytes_per_shard=5 * DIM * 4)
+        with pytest.raises(ConfigurationError):
+            jaxdist.DynamicEmbedding(DIM, name="bad", optimizer="rmsprop")
+    ids = np.arange(4, dtype=np.int64)
+    table.apply_gradients(ids, np.ones((4, DIM), np.float32))
+    before, stats = table.lookup(np.arange(40)), table.stats()
+    with pytest.raises(DTypeMismatchError):
+        table.lookup(np.array([1.5]))
+    with pytest.raises(ConfigurationError):
+        table.apply_gradients(ids, np.ones((3, DIM), np.float32))
+    with pytest.raises(PayloadTooLargeError):
+        table.apply_gradients(np.arange(100, 140), np.ones((40, DIM), np.float32))
+    assert np.array_equal(table.lookup(np.arange(40)), before) and table.stats() == stats
+
+
+def _train_some(coord: jaxdist.ClusterCoordinator, table: jaxdist.DynamicEmbedding, keys: list[Any]) -> None:
+    def step(ks: Any) -> None:
+        rows = table.lookup(ks)
+        table.apply_gradients(ks, rows - 1.0)
+
+    for ks in keys:
+        coord.schedule(step, args=(ks,))
+    coord.join()
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_checkpoint_restores_into_three_ps_tasks(tmp_path, key_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    kw: dict[str, Any] = dict(name="ck", key_dtype=key_dtype, seed=5, optimizer="lazy_adam", learning_rate=0.1,
+                              min_count=2, capacity=40, ttl_steps=30)
+    rng = np.random.default_rng(3)
+    batches: list[Any] = [(rng.zipf(1.3, size=10) % 120).astype(np.int64) for _ in range(40)]
+    if key_dtype == "string":
+        batches = [np.asarray([f"k{k}" for k in b.tolist()], dtype=object) for b in batches]
+        probe: Any = np.asarray([f"k{k}" for k in range(120)], dtype=object)
+    else:
+        probe = np.arange(120, dtype=np.int64)
+    with InProcessCluster(num_workers=2, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            table = jaxdist.DynamicEmbedding(DIM, **kw)
+        coord = jaxdist.ClusterCoordinator(strategy)
+        _train_some(coord, table, batches)
+        saved_rows, saved_stats = table.lookup(probe), table.stats()
+        path = jaxdist.Checkpoint(strategy).write(str(tmp_path / "ckpt"))
+        _train_some(coord, table, batches[:5])  # changes after the save: a restore takes them back
+        assert not np.array_equal(table.lookup(probe), saved_rows)
+        jaxdist.Checkpoint(strategy).restore(path)
+        assert np.array_equal(table.lookup(probe), saved_rows)
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+    assert saved_stats["rows"] > 0 and saved_stats["evictions"] > 0 and saved_stats["pending_keys"] > 0
+    with InProcessCluster(num_workers=1, num_ps=3) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        with strategy.scope():
+            table = jaxdist.DynamicEmbedding(DIM, **kw)
+        jaxdist.Checkpoint(strategy).restore(path)
+        assert table.num_shards == 3
+        assert np.array_equal(table.lookup(probe), saved_rows)
+        assert table.stats() == saved_stats  # rows, bytes, pending keys; cumulative counters summed
+        # Each key is on the shard its hash names among 3, with its optimizer state: a push applies as on
+        # a shard restored directly from the saved exports.
+        ref = [DynamicTableShard.restore(table.config, [_export_of(path, f, table.config) for f in ("ps-0.npz", "ps-1.npz")],
+                                         s, 3) for s in range(3)]
+        g = np.ones((len(probe), DIM), np.float32)
+        table.apply_gradients(probe, g)
+        where = shard_of(hash_keys(list(probe) if key_dtype == "string" else probe), 3)
+        for s in range(3):
+            at = np.flatnonzero(where == s)
+            ks = probe[at] if key_dtype == "int64" else list(probe[at])
+            ref[s].apply(ks, g[at])
+            assert np.array_equal(strategy.connections.client(s).dynamic_lookup("ck", ks)[0], ref[s].lookup(ks)[0])
+        strategy.close()
+
+
+def _export_of(path: str, file: str, config: Any) -> dict[str, Any]:
+    import os
+
+    from jaxdist.ps_server.dynamic_tables import unpack_export
+
+    with np.load(os.path.join(path, file)) as f:
+        return unpack_export(config, lambda k: f[k])

@@ -1,0 +1,96 @@
+"""Dynamic tables on a replicated PS: the full sync at attach, forwarded creates and pushes, and a
+restore keep the backup's shards bit-identical (digest) to the primary's; a promoted backup serves
+the same rows and treats the primary's applied pushes as duplicates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from jaxdist.ps_server.client import PSClient
+from jaxdist.ps_server.dynamic_table import AdmissionConfig, DynamicTableConfig, EvictionConfig, RowOptimizer
+from jaxdist.ps_server.server import ParameterServer
+from conftest import CREDS
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[ParameterServer, ParameterServer, PSClient, PSClient]]:
+    servers = [ParameterServer(credentials=CREDS, data_port=None) for _ in range(2)]
+    for s in servers:
+        s.start()
+    clients = [PSClient(s.address, CREDS) for s in servers]
+    yield servers[0], servers[1], clients[0], clients[1]
+    for c in clients:
+        c.close()
+    for s in servers:
+        s.stop(grace=None)
+
+
+def _cfg(name: str, **kw: object) -> DynamicTableConfig:
+    base: dict[str, object] = dict(row_shape=(3,), seed=2, optimizer=RowOptimizer("lazy_adam", 0.1),
+                                   admission=AdmissionConfig(min_count=2), eviction=EvictionConfig(capacity=20, ttl_steps=9))
+    base.update(kw)
+    return DynamicTableConfig(name, **base)  # type: ignore[arg-type]
+
+
+def _push_some(c: PSClient, table: str, rng: np.random.Generator, n: int, tag: str, strings: bool = False) -> None:
+    for i in range(n):
+        ids = (rng.zipf(1.3, size=10) % 60).astype(np.int64)
+        keys = [f"s{k}" for k in ids.tolist()] if strings else ids
+        c.dynamic_push(table, keys, rng.standard_normal((10, 3)).astype(np.float32), update_id=f"{tag}{i}")
+
+
+def _digests(ps: ParameterServer) -> dict[str, str]:
+    d = ps.servicer.dynamic
+    return {n: d.get(n).digest() for n in d.names()}
+
+
+def test_backup_stays_identical_and_takes_over(pair) -> None:  # type: ignore[no-untyped-def]
+    primary, backup, pc, bc = pair
+    rng = np.random.default_rng(0)
+    pc.create_dynamic_table(_cfg("a"), 0, 2)  # shard 0 of 2: its own counters must survive the copy
+    keys_a = np.array([k for k in range(200) if k % 2 == 0], np.int64)
+    # Only keys routed to shard 0 may be pushed to it.
+    from jaxdist.ps_server.dynamic_table import hash_keys, shard_of
+    mine = keys_a[shard_of(hash_keys(keys_a), 2) == 0]
+    for i in range(15):
+        ks = rng.choice(mine, size=8)
+        pc.dynamic_push("a", ks, rng.standard_normal((8, 3)).astype(np.float32), update_id=f"a{i}")
+    pc.set_backup(backup.address, 1)  # full sync, dynamic tables included
+    assert _digests(backup) == _digests(primary)
+    pc.create_dynamic_table(_cfg("b", key_dtype="string"), 0, 1)  # forwarded create
+    for i in range(15, 40):
+        ks = rng.choice(mine, size=8)
+        pc.dynamic_push("a", ks, rng.standard_normal((8, 3)).astype(np.float32), update_id=f"a{i}")
+    _push_some(pc, "b", rng, 25, "b", strings=True)
+    assert primary.servicer.dynamic.get("a").stats()["evictions"] > 0
+    assert _digests(backup) == _digests(primary) and set(_digests(primary)) == {"a", "b"}
+    # The backup takes over: same rows, and the primary's applied pushes are duplicates there.
+    assert bc.promote(2) == 2
+    assert np.array_equal(bc.dynamic_lookup("a", mine)[0], pc.dynamic_lookup("a", mine)[0])
+    assert bc.dynamic_push("a", mine[:1], np.ones((1, 3), np.float32), update_id="a39").duplicate
+    assert bc.dynamic_push("b", ["s1"], np.ones((1, 3), np.float32), update_id="b24").duplicate
+
+
+def test_restore_on_a_replicated_primary_reaches_the_backup(pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from jaxdist.proto import ps_pb2
+
+    primary, backup, pc, _ = pair
+    rng = np.random.default_rng(1)
+    pc.create_dynamic_table(_cfg("t", eviction=EvictionConfig()), 0, 1)
+    _push_some(pc, "t", rng, 20, "t")
+    saved = pc.save(str(tmp_path), "ps-0.npz")
+    saved_digest = _digests(primary)["t"]
+    pc.set_backup(backup.address, 1)
+    _push_some(pc, "t", rng, 10, "u")
+    assert _digests(backup) == _digests(primary) != {"t": saved_digest}
+    req = ps_pb2.RestoreRequest(directory=str(tmp_path))
+    e = req.dynamic.add(config_json=__import__("json").dumps(_cfg("t", eviction=EvictionConfig()).to_json()),
+                        shard=0, num_shards=1)
+    e.files.add(file=saved.file_name, sha256=saved.sha256)
+    pc.restore(req)
+    assert _digests(primary) == {"t": saved_digest} == _digests(backup)
