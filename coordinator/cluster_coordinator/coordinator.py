@@ -430,8 +430,10 @@ class Cluster:
         )
 
     def worker_configured(self, handle: WorkerHandle, incarnation: str) -> None:
-        if self.steps is not None:  # (re)joins the steps before it takes a closure
-            self.steps.worker_joined(handle.index)
+        # (Re)joins the steps before it takes a closure. Not a member on every PS yet (a PS did not
+        # answer): it stays unhealthy, takes nothing, and the dispatcher configures it again.
+        if self.steps is not None and not self.steps.worker_joined(handle.index):
+            return
         # Under the resource lock: a resource created meanwhile either sees the worker healthy (and
         # queues it there) or is among the resources rebuilt here; never neither.
         with self._resource_lock:
@@ -452,6 +454,11 @@ class Cluster:
             if type(d) is fh.Fail:
                 d.closure.fail(d.error, pushed=d.pushed)
                 q.mark_failed(d.error)
+                # Under synchronous steps its push may be staged and never committed: the steps would wait
+                # for it forever (and join() for the closures held at the barrier). Withdraw it; a worker
+                # that cannot rejoin every PS now is configured again (it takes nothing meanwhile).
+                if d.pushed and d.worker >= 0 and self.steps is not None and not self.steps.withdraw(d.worker):
+                    self.apply(self.failures.reconfigure(d.worker, "it could not rejoin the synchronous steps"))
             elif type(d) is fh.InputFailed:
                 d.closure.fail(d.error)
                 q.mark_failed(d.error, record=False)

@@ -657,6 +657,9 @@ class Dispatcher:
             if self._failures.is_healthy(h.index):
                 self._set_idle(h)
                 return
+            # Configured, not taken back (it could not join the synchronous steps yet): ask again.
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
     # ---------------------------------------------------------------- to all workers
     def configure_all(self, handles: Sequence[WorkerHandle], timeout: float) -> list[tuple[WorkerHandle, grpc.StatusCode]]:

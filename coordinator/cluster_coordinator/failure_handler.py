@@ -83,7 +83,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from jaxdist.base import errors as E
@@ -169,11 +169,14 @@ class Finish:
 @dataclass(frozen=True, slots=True)
 class Fail:
     """The closure failed for good with ``error`` (recorded; queued closures are cancelled).
-    ``pushed``: this attempt made a push that may have been applied (its batches are consumed)."""
+    ``pushed``: this attempt made a push that may have been applied (its batches are consumed).
+    ``worker``: the worker it failed on (-1: none, or not known), whose gradients staged for the
+    synchronous steps it may have left uncommitted (not part of the decision's equality)."""
 
     closure: Closure
     error: BaseException
     pushed: bool = False
+    worker: int = field(default=-1, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -644,7 +647,7 @@ class FailureHandler:
                     elif r.closure.resource_id:
                         out.append(InputFailed(r.closure, err))
                     else:
-                        out.append(Fail(r.closure, err, pushed=r.pushed))
+                        out.append(Fail(r.closure, err, pushed=r.pushed, worker=index))
                 elif r.outcome is Outcome.FUNCTION_UNKNOWN:
                     out.append(ForgetFunction(index, r.closure.function.digest))
                     out.append(ReturnUnrun(r.closure))
@@ -671,6 +674,15 @@ class FailureHandler:
         """Sending ``batch`` failed unexpectedly (a bug): its unsettled closures fail with ``error``,
         so ``join`` raises instead of hanging. They may have been sent and run: their pushes may be applied."""
         return [Fail(c, error, pushed=True) for c in batch if not c.remote_value.done()]
+
+    def reconfigure(self, index: int, why: str) -> list[Decision]:
+        """Worker ``index`` must be configured again before it takes work (``why``; e.g. it could not
+        rejoin the synchronous steps): it counts as failed until Configure answers (:class:`DeclareDead`)."""
+        with self._lock:
+            w = self._workers[index]
+            if w.left:
+                return []
+            return self._declare_dead(w, why)
 
     def _declare_dead(self, w: _Worker, why: str) -> list[Decision]:
         if w.healthy:

@@ -19,6 +19,23 @@ decides it, the same way on every PS:
   it is discarded on every PS and its update ids are forgotten, so the
   closure's re-run (queued after the drop) pushes again, on the worker that
   runs it, into that worker's step. Steps no longer wait for it.
+- **a PS that does not answer** a fence, drop or join: the change may have
+  reached some PS tasks only (a fence on one, not on the other). It is not
+  dropped: the worker stays pending and the watcher retries every
+  ``_POLL_S`` until every PS has it (a drop retried keeps the step the
+  first complete fence round decided). Until the drop is complete the worker
+  counts as a member. A worker configured again joins only once its drop
+  is done (a join of a member still fenced on some PS would leave it fenced
+  there: its pushes refused, its closures failed); until it is a member on
+  every PS it takes no closure, and the dispatcher configures it again.
+  Giving up instead left a member that no step could pass (steps waited for
+  it forever, and ``join()`` for the closures blocked at the barrier).
+- **a closure that failed for good after a push** (a user error, a PS that
+  refused it): the gradients it staged for its worker's step are never
+  committed, and the step would wait for them forever. Its worker is
+  dropped (the uncommitted contribution discarded on every PS) and joins
+  again at once; if a PS does not answer, the worker is configured again
+  (and takes no closure) until it can join.
 - **a worker (re)configured** (it came back, or joined): it joins the steps
   from the step being formed, with the same first step on every PS.
 - **idle workers**: a step can wait for a worker that has no closure to run
@@ -136,6 +153,10 @@ class StepBarrier:
         self._queue = queue
         self._lock = threading.Lock()
         self._members: set[int] = set()
+        # Failed workers whose drop has not reached every PS yet (a PS did not answer): worker -> the
+        # step its fence round decided to keep (None: no fence round answered by every PS yet).
+        self._dropping: dict[int, int | None] = {}
+        self._warned: set[int] = set()  # workers whose pending drop's failure is logged (once per drop)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="jaxdist-step-barrier", daemon=True)
         #: Idle workers moved past a blocked step (each counted once per step it skipped).
@@ -171,39 +192,101 @@ class StepBarrier:
     # ----------------------------------------------------------- membership
     def worker_failed(self, worker: int) -> None:
         """Fence and drop ``worker`` on every PS (idempotent). Returns once every PS dropped it, so a
-        re-run of its closure queued afterwards never meets its old staged contribution."""
+        re-run of its closure queued afterwards never meets its old staged contribution; when a PS
+        does not answer, the drop stays pending and the watcher retries it (see the module docstring)."""
         with self._lock:
             if worker not in self._members:
                 return
+            self._dropping.setdefault(worker, None)
+            self._drop(worker)
+
+    def worker_joined(self, worker: int) -> bool:
+        """Add ``worker`` (configured: back, or new) from the step being formed; a member stays as it
+        is. Returns whether it is a member on every PS now: False when a PS did not answer (its
+        pending drop first, then the join); the caller keeps it from taking closures and asks again
+        (a closure run meanwhile would push where it is still fenced, and fail)."""
+        with self._lock:
+            if worker in self._dropping and not self._drop(worker):
+                return False
+            if worker in self._members:
+                return True
             try:
-                fenced = self._all(SyncKind.FENCE, contributor=worker)
-                keep = plan_keep(fenced, worker)
-                self._all(SyncKind.DROP, contributor=worker, step=keep)
+                step = max(r.applied for r in self._all(SyncKind.STATUS))
+                clocks = [r.clocks.get(worker, -1) for r in self._all(SyncKind.JOIN, contributor=worker, step=step)]
+                step = max(clocks)
+                if min(clocks) != step:
+                    # A step completed on some PS between the join's calls (another member's commit
+                    # reached it first, while this worker was no member yet): the PS tasks put it at
+                    # different steps, and its pull would not match its push. It has run nothing yet:
+                    # move it to the furthest step everywhere (steps below it do not wait for it).
+                    self._all(SyncKind.SKIP, contributor=worker, step=step)
             except E.JaxdistError as e:
-                logger.error("worker:%d could not be dropped from the synchronous steps: %s (steps wait for it)", worker, e)
-                return
-            self._members.discard(worker)
+                logger.warning("worker:%d could not join the synchronous steps yet: %s (it is configured again)", worker, e)
+                return False
+            self._members.add(worker)
+        logger.info("worker:%d joined the synchronous steps at step %d", worker, step)
+        return True
+
+    def withdraw(self, worker: int) -> bool:
+        """A closure of member ``worker`` failed for good after it may have pushed: the gradients it
+        staged for its current step will never be committed, and the steps would wait for that commit
+        forever (an idle member with an uncommitted contribution is never skipped). Drop ``worker`` on
+        every PS (its uncommitted contribution discarded, a step committed on some PS kept) and join it
+        again from the step being formed. Returns whether it is a member on every PS again (False: a PS
+        did not answer; the drop is retried, and the caller keeps it from taking closures until
+        :meth:`worker_joined` returns True). Not a member (it left): nothing to do, True."""
+        with self._lock:
+            if worker in self._dropping:
+                return False
+            if worker not in self._members:
+                return True
+            self._dropping[worker] = None
+            if not self._drop(worker):
+                return False
+        return self.worker_joined(worker)
+
+    @property
+    def pending_drops(self) -> frozenset[int]:
+        """Failed workers whose drop has not reached every PS yet (a PS did not answer; retried)."""
+        with self._lock:
+            return frozenset(self._dropping)
+
+    def retry_drops(self) -> None:
+        """Retry the drops a PS did not answer (the watcher's, every ``_POLL_S``)."""
+        with self._lock:
+            for worker in sorted(self._dropping):
+                self._drop(worker)
+
+    def _drop(self, worker: int) -> bool:
+        """Under the lock: fence then drop pending ``worker`` on every PS; whether it is done.
+
+        The step to keep is decided once, from a fence round every PS answered (a fenced worker's
+        clocks no longer move), and kept for the retries: a retry after a drop that reached some PS
+        only must drop it with the same step everywhere (a PS that dropped it reports no clock for it)."""
+        keep = self._dropping[worker]
+        fenced: list[SyncReport] = []
+        try:
+            if keep is None:
+                fenced = self._all(SyncKind.FENCE, contributor=worker)
+                keep = self._dropping[worker] = plan_keep(fenced, worker)
+            self._all(SyncKind.DROP, contributor=worker, step=keep)
+        except E.JaxdistError as e:
+            if worker not in self._warned:
+                self._warned.add(worker)
+                logger.warning("worker:%d could not be dropped from the synchronous steps yet: %s (retrying; steps wait "
+                               "for it meanwhile)", worker, e)
+            return False
+        del self._dropping[worker]
+        self._warned.discard(worker)
+        self._members.discard(worker)
         if keep >= 0:
             what = f"its committed step {keep} counts"
         elif any(r.staged_steps for r in fenced):
-            what = "its uncommitted gradients were discarded; its closure runs again elsewhere"
+            what = "its uncommitted gradients were discarded"
         else:
             what = "it had no uncommitted gradients"
         logger.info("worker:%d left the synchronous steps (%s)", worker, what)
-
-    def worker_joined(self, worker: int) -> None:
-        """Add ``worker`` (configured: back, or new) from the step being formed; a member stays as it is."""
-        with self._lock:
-            if worker in self._members:
-                return
-            try:
-                step = max(r.applied for r in self._all(SyncKind.STATUS))
-                self._all(SyncKind.JOIN, contributor=worker, step=step)
-            except E.JaxdistError as e:
-                logger.error("worker:%d could not join the synchronous steps: %s", worker, e)
-                return
-            self._members.add(worker)
-        logger.info("worker:%d joined the synchronous steps at step %d", worker, step)
+        return True
 
     # ------------------------------------------------------------ idle workers
     def flush(self) -> None:
@@ -217,6 +300,8 @@ class StepBarrier:
 
     def _watch(self) -> None:
         while not self._stop.wait(_POLL_S):
+            if self._dropping:
+                self.retry_drops()
             self.look()
 
     def look(self) -> None:

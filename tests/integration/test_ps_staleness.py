@@ -330,6 +330,66 @@ def test_a_removed_worker_leaves_the_steps_and_training_goes_on(cluster: InProce
         strategy.close()
 
 
+def test_a_closure_failed_after_a_partial_push_holds_neither_the_steps_nor_join(cluster: InProcessCluster) -> None:
+    """A closure's push is staged on one PS and refused by the other (there, a gradient mixed with
+    another op), and the closure fails: its gradient is never committed. The other worker, waiting at
+    the barrier for that step, waited forever before, and join() with it (raise_if_error waits for the
+    running closures). Its worker is now withdrawn from the steps: join() raises the closure's error,
+    and training goes on with both workers."""
+    from jaxdist.base.errors import InvalidRequestError
+
+    strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver(), staleness=0)
+    with strategy.scope():
+        params = jaxdist.create_variables({"a": np.zeros(2, np.float32), "b": np.zeros(2, np.float32)},
+                                          optimizer=optax.sgd(1.0))
+    a, b = params["a"], params["b"]
+    assert {a.ps_index, b.ps_index} == {0, 1}
+    coord = jaxdist.ClusterCoordinator(strategy)
+    held, release = gates.new_name("partial-push-made"), gates.new_name("partial-push-release")
+    try:
+        poll_for(lambda: _all_healthy(coord), 30, what="both workers configured")
+        barrier = coord.step_barrier
+        assert barrier is not None
+
+        def good() -> int:
+            jaxdist.pull(params)
+            jaxdist.apply_gradients(params, {"a": -np.ones(2, np.float32), "b": -np.ones(2, np.float32)})
+            return jaxdist.current_worker_index()
+
+        def partial() -> None:
+            from jaxdist.variables import push_updates
+
+            jaxdist.pull(params)
+            g = np.ones(2, np.float32)
+            try:  # a's PS stages its gradient; b's PS refuses a gradient pushed with another op
+                push_updates([(a, "apply_gradient", g, None), (b, "apply_gradient", g, None), (b, "assign_add", g, None)])
+            except InvalidRequestError:
+                gates.arrive(held)
+                assert gates.event(release).wait(60), "the test never released the failing closure"
+                raise
+            raise AssertionError("the mixed push was not refused")
+
+        coord.schedule(partial)
+        poll_for(lambda: gates.arrivals(held) >= 1, 30, what="the partial push made")
+        rvs = [coord.schedule(good) for _ in range(4)]
+        # The other worker commits step 0, then its next closure waits at the barrier for step 1.
+        poll_for(lambda: any(r.waiting for r in barrier.reports()), 30, what="a closure waiting at the barrier")
+        gates.event(release).set()
+        with pytest.raises(InvalidRequestError):
+            coord.join()
+        assert all(rv.status is not jaxdist.RemoteValueStatus.NOT_READY for rv in rvs)
+        assert barrier.members == {0, 1} and not barrier.pending_drops
+        rvs = [coord.schedule(good) for _ in range(6)]
+        coord.join()
+        assert sorted({rv.fetch() for rv in rvs}) == [0, 1]  # both workers still train
+        reports = barrier.reports()
+        assert reports[0].clocks == reports[1].clocks and not any(r.uncommitted for r in reports)
+    finally:
+        gates.event(release).set()
+        coord.shutdown(exit_tasks=False)
+        strategy.close()
+
+
 def test_row_reads_wait_at_the_barrier_and_sparse_gradients_are_averaged(cluster: InProcessCluster) -> None:
     strategy = jaxdist.ParameterServerStrategy(
         cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2), staleness=0)

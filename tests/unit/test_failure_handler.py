@@ -187,6 +187,24 @@ def test_user_error_fails_the_closure_in_every_mode() -> None:
         assert not h.dispatch_held
 
 
+def test_a_failed_closure_names_its_worker_and_a_worker_can_be_sent_back_to_configure() -> None:
+    """The worker a closure failed on travels with the Fail (the coordinator withdraws its staged
+    gradients from the synchronous steps); ``reconfigure`` makes a healthy worker take nothing until it
+    answers Configure again (it could not rejoin the steps)."""
+    h, _ = healthy()
+    c = Closure(noop)
+    err = ZeroDivisionError("x")
+    r = ClosureReport(c, Outcome.ERROR, error=err, pushed=True)
+    (d,) = h.closures_returned(1, [r])
+    assert d == fh.Fail(c, err, pushed=True) and isinstance(d, fh.Fail) and d.worker == 1
+    assert h.reconfigure(1, "it could not rejoin the synchronous steps") == [fh.DeclareDead(1, "it could not rejoin the synchronous steps")]
+    assert not h.is_healthy(1) and h.worker_status(1).failures == 1
+    h.worker_configured(1, "inc-1")
+    assert h.is_healthy(1)
+    h.remove_worker(0)
+    assert h.reconfigure(0, "x") == []  # it left: nothing to configure
+
+
 def test_function_unknown_resends_it_without_counting_an_attempt() -> None:
     h, _ = healthy()
     c = Closure(noop)

@@ -363,3 +363,209 @@ def test_the_barrier_skips_no_idle_worker_while_a_drain_hands_out_reruns() -> No
     finally:
         q.stop()
         drain.join(timeout=60)
+
+
+# ------------------------------------------------------------------ membership when a PS does not answer
+class _ClockPS:
+    """One PS's step clock (the real :class:`StepClock`) behind the client's ``sync_steps``. While
+    ``down`` holds the kind of a request, the request fails as an unreachable PS's does (it does
+    not reach the clock). ``applied`` records each applied step's contributors, in order."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.clock = StepClock()
+        self.down: set[SyncKind] = set()
+        self.applied: list[tuple[int, list[int]]] = []
+
+    def sync_steps(self, kind: SyncKind, contributor: int = -1, staleness: int = 0, members: object = (),
+                   step: int = -1, timeout: float = 10.0) -> SyncReport:
+        from jaxdist.base.errors import PSUnavailableError
+
+        if kind in self.down:
+            raise PSUnavailableError(f"ps:{self.index}: failed to connect to all addresses (Connection refused)",
+                                     task=f"ps:{self.index}")
+        c, staged = self.clock, []
+        if kind is SyncKind.CONFIGURE:
+            c.configure(staleness, members)  # type: ignore[arg-type]
+        elif kind is SyncKind.FENCE:
+            staged = c.fence(contributor)
+        elif kind is SyncKind.DROP:
+            c.drop(contributor, step)
+        elif kind is SyncKind.JOIN:
+            c.join(contributor, step)
+        elif kind is SyncKind.SKIP:
+            c.skip(contributor, step)
+        self.advance()
+        return c.report((), staged)
+
+    def advance(self) -> None:
+        self.applied += [(s, [x.contributor for x in contributions]) for s, contributions, _ in self.clock.pop_complete()]
+
+
+class _Cluster:
+    """PS tasks of :class:`_ClockPS`, fanned out like :meth:`PSConnections.fan_out`: every call is made,
+    then the first error is raised (a change may reach some PS tasks and not the others)."""
+
+    def __init__(self, n: int) -> None:
+        self.clients = [_ClockPS(i) for i in range(n)]
+
+    def fan_out(self, calls: dict[int, object]) -> dict[int, object]:
+        got: dict[int, object] = {}
+        first: BaseException | None = None
+        for i, fn in calls.items():
+            try:
+                got[i] = fn(self.clients[i])  # type: ignore[operator]
+            except BaseException as e:  # noqa: BLE001 - raised after every call, as fan_out does
+                first = first or e
+        if first is not None:
+            raise first
+        return got
+
+
+def _barrier(ps: _Cluster, members: list[int]):  # type: ignore[no-untyped-def]
+    from jaxdist.cluster_coordinator.closure_queue import ClosureQueue
+    from jaxdist.cluster_coordinator.sync_barrier import StepBarrier
+
+    q = ClosureQueue()
+    barrier = StepBarrier(ps, 0, q)  # type: ignore[arg-type]
+    barrier.start(members)  # its watcher runs: it retries what a PS did not answer
+    return barrier, q
+
+
+def test_a_drop_that_a_ps_did_not_answer_is_retried_and_the_steps_go_on() -> None:
+    """The hang of test_sigkilled_worker_is_dropped_and_synchronous_training_completes (a full-suite run,
+    join() blocked 300 s): worker 1 is declared failed while ps:0 refuses connections. The fence reached
+    ps:1 only; the barrier gave up ("steps wait for it") and kept it as a member, so (1) no step could pass
+    it any more: worker 0's closure waited at the barrier forever, and join() for that closure; (2) when
+    worker 1 came back, worker_joined() saw a member and did nothing: it stayed fenced on ps:1, its push was
+    refused there and its closure failed (the job's error). The drop is now retried until every PS has it,
+    and a worker joins (and takes closures) only once it is a member on every PS again."""
+    from jaxdist.testing import poll_for
+
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0, 1])
+    try:
+        p0, p1 = ps.clients
+        # Step 0: worker 0 committed it on both PS; worker 1's push reached ps:1 only (not committed).
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+        p1.clock.stage(1, "b/0", [grad("w", 3.0)], pulled_at=0)
+        p0.down = {SyncKind.FENCE, SyncKind.DROP, SyncKind.STATUS, SyncKind.JOIN}  # ps:0 refuses connections
+        barrier.worker_failed(1)
+        assert 1 in p1.clock._fenced and 1 not in p0.clock._fenced  # the fence reached ps:1 only
+        assert 1 in barrier.members  # not dropped: the steps still wait for it
+        assert barrier.worker_joined(1) is False  # back while ps:0 is down: not a member everywhere, takes nothing
+        assert p0.applied == p1.applied == []
+        p0.down = set()  # ps:0 answers again: the watcher completes the drop, and step 0 is applied on both
+        # PS with worker 0's gradient alone (worker 1's uncommitted push discarded).
+        poll_for(lambda: p0.applied == p1.applied == [(0, [0])], 30, what="the drop retried and step 0 applied")
+        assert 1 not in barrier.members and not barrier.pending_drops
+        assert barrier.worker_joined(1)  # configured again: it joins from the step being formed
+        assert 1 in barrier.members
+        assert p0.clock.clocks == p1.clock.clocks == {0: 1, 1: 1}
+        assert not p1.clock._fenced  # its pushes are taken again on ps:1
+    finally:
+        q.stop()
+        barrier.stop()
+
+
+def test_a_drop_retried_keeps_the_step_its_fence_round_decided_on_every_ps() -> None:
+    """Worker 1 committed step 0 on ps:1 before it died, not on ps:0: the fence round (answered by both)
+    decides that its step-0 gradient counts. The drop then reaches ps:1 only. Its retry must drop it on
+    ps:0 keeping step 0 too: recomputed from the reports then (ps:1 no longer has a clock for it), the
+    commit would look lost and ps:0 would apply step 0 without it, unlike ps:1."""
+    from jaxdist.testing import poll_for
+
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0, 1])
+    try:
+        p0, p1 = ps.clients
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+            p.clock.stage(1, "b/0", [grad("w", 3.0)], pulled_at=0)
+        p1.clock.commit(1)  # worker 1's commit reached ps:1 only
+        p1.advance()
+        assert p1.applied == [(0, [0, 1])] and p0.applied == []
+        p0.down = {SyncKind.DROP}
+        barrier.worker_failed(1)
+        assert 1 in barrier.members and p0.applied == []
+        p0.down = set()
+        # The same step 0 on both PS.
+        poll_for(lambda: p0.applied == p1.applied == [(0, [0, 1])], 30, what="the drop retried and step 0 applied")
+        assert 1 not in barrier.members and not barrier.pending_drops
+    finally:
+        q.stop()
+        barrier.stop()
+
+
+def test_a_closure_failed_after_a_partial_push_is_withdrawn_from_the_steps() -> None:
+    """A closure of worker 1 pushed to ps:1, then its push to ps:0 failed (ps:0 refused it) and the
+    closure failed for good: its gradient is staged on ps:1 and will never be committed. Worker 1 is a
+    healthy, idle member with an uncommitted contribution, so the barrier never skips it (plan_skips: not
+    idle), and worker 0 would wait at step 1 forever (join() with it). Withdrawing worker 1 discards the
+    staged gradient on every PS and joins it again at the step being formed."""
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0, 1])
+    try:
+        p0, p1 = ps.clients
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+        p1.clock.stage(1, "b/0", [grad("w", 3.0)], pulled_at=0)
+        assert plan_skips(barrier.reports()) is None  # worker 1 is not idle: never skipped
+        assert barrier.withdraw(1)
+        assert p0.applied == p1.applied == [(0, [0])]  # step 0 with worker 0's gradient alone, on both PS
+        assert p0.clock.clocks == p1.clock.clocks == {0: 1, 1: 1}
+        assert barrier.members == {0, 1} and not p1.clock._fenced
+        assert barrier.withdraw(2)  # not a member (it left): nothing to do
+        # A PS that does not answer: not a member everywhere again (the caller configures it again).
+        p1.clock.stage(1, "b/1", [grad("w", 3.0)], pulled_at=1)
+        p0.down = {SyncKind.FENCE}
+        assert not barrier.withdraw(1)
+        assert not barrier.worker_joined(1)
+        p0.down = set()
+        assert barrier.worker_joined(1)  # the drop completed first, then the join
+        assert p0.clock.clocks == p1.clock.clocks == {0: 1, 1: 1} and not p1.clock._fenced
+        assert p1.clock.report().uncommitted == 0  # worker 1's step-1 gradient is gone
+    finally:
+        q.stop()
+        barrier.stop()
+
+
+def test_a_join_that_a_commit_overtakes_on_one_ps_puts_the_worker_at_one_step_everywhere() -> None:
+    """Worker 1 joins while worker 0 commits step 1: the commit reaches ps:1 before the join (worker 1
+    no member yet there: step 1 is applied, the join puts it at step 2) and ps:0 after (member at step 1,
+    step 1 waits for it). Different clocks on the two PS: its pull (step 2 on one) would not match its
+    push (step 1 on the other): StepMembershipError, seen after a withdraw while the other worker trained.
+    The join moves it to the furthest step on every PS."""
+    ps = _Cluster(2)
+    barrier, q = _barrier(ps, [0])
+    try:
+        p0, p1 = ps.clients
+        for p in (p0, p1):
+            p.clock.stage(0, "a/0", [grad("w", 1.0)], pulled_at=0)
+            p.clock.commit(0)
+            p.advance()
+            p.clock.stage(0, "a/1", [grad("w", 1.0)], pulled_at=1)  # worker 0's step 1, pushed, not committed
+
+        def commit_step_1() -> None:  # worker 0's commit fan-out: ps:1 before the join there, ps:0 after its join
+            for p in (p1, p0):
+                p.clock.commit(0)
+                p.advance()
+
+        real = p1.sync_steps
+
+        def p1_sync_steps(kind: SyncKind, **kw: object) -> SyncReport:
+            if kind is SyncKind.JOIN and not p1.applied[1:]:
+                commit_step_1()
+            return real(kind, **kw)  # type: ignore[arg-type]
+
+        p1.sync_steps = p1_sync_steps  # type: ignore[method-assign]
+        assert barrier.worker_joined(1)
+        assert p0.clock.clocks == p1.clock.clocks == {0: 2, 1: 2}
+        assert p0.applied == p1.applied == [(0, [0]), (1, [0])]  # step 1 without worker 1 on both PS
+    finally:
+        q.stop()
+        barrier.stop()
