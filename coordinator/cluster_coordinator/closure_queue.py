@@ -433,20 +433,27 @@ class ClosureQueue:
         self._tagged.clear()
         self._n_tagged = 0
 
-    def raise_if_error(self) -> None:
+    def raise_if_error(self, deadline: float | None = None) -> bool:
         """Raise the recorded error once (after running closures finished), then clear it.
 
         Exactly one caller gets the error: several threads may be in ``join``/``done``/``schedule``
         at once, and whichever takes the error first clears it while the others wait here for the
-        running closures; those find it gone and return (as TF: the error is raised once)."""
+        running closures; those find it gone and return (as TF: the error is raised once).
+
+        Returns False, the error still recorded, when ``deadline`` (a ``time.monotonic()`` value;
+        None: no limit) passes while closures still run; True when there is no error to raise."""
         with self._lock:
             if self._error is None:
-                return
+                return True
             while self._inflight > 0 and not self._stopped:
-                self._settled.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._settled.wait(left)
             err, self._error = self._error, None
         if err is not None:
             raise err
+        return True
 
     def has_error(self) -> bool:
         return self._error is not None
@@ -465,8 +472,8 @@ class ClosureQueue:
                 if left is not None and left <= 0:
                     return False
                 self._settled.wait(left)
-        self.raise_if_error()
-        return True
+        # The error waits for the running closures too: within the same timeout.
+        return self.raise_if_error(deadline)
 
     def done(self) -> bool:
         """True when nothing is queued or running; raises a recorded error."""

@@ -59,36 +59,40 @@ def test_sigkilled_worker_is_dropped_and_synchronous_training_completes() -> Non
     n = 160
     with jaxdist.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy, coord, ids, counter, step = _setup(cluster, n)
-        rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
-        poll_for(lambda: sum(rv.done() for rv in rvs) > 30, 60, what="training to start")
-        cluster.kill("worker:1")
-        poll_for(lambda: not coord.status()[1]["healthy"], 10, what="worker:1 declared failed")
-        done = sum(rv.done() for rv in rvs)
-        poll_for(lambda: sum(rv.done() for rv in rvs) > done + 20, 60, what="steps going on without worker:1")
-        assert 1 not in coord.step_barrier.members  # type: ignore[union-attr]
-        cluster.restart("worker:1")
-        coord.join()
-        assert all(isinstance(rv.fetch(), int) for rv in rvs)
-        assert coord.status()[1]["failures"] >= 1
-        _check_exactly_once(coord, ids, counter, n)
-        coord.shutdown()
-        strategy.close()
+        try:
+            rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
+            poll_for(lambda: sum(rv.done() for rv in rvs) > 30, 60, what="training to start")
+            cluster.kill("worker:1")
+            poll_for(lambda: not coord.status()[1]["healthy"], 10, what="worker:1 declared failed")
+            done = sum(rv.done() for rv in rvs)
+            poll_for(lambda: sum(rv.done() for rv in rvs) > done + 20, 60, what="steps going on without worker:1")
+            assert 1 not in coord.step_barrier.members  # type: ignore[union-attr]
+            cluster.restart("worker:1")
+            coord.join()
+            assert all(isinstance(rv.fetch(), int) for rv in rvs)
+            assert coord.status()[1]["failures"] >= 1
+            _check_exactly_once(coord, ids, counter, n)
+        finally:  # a failure must not leave the coordinator's threads behind
+            coord.shutdown()
+            strategy.close()
 
 
 def test_frozen_worker_is_dropped_after_the_failure_timeout() -> None:
     n = 80
     with jaxdist.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy, coord, ids, counter, step = _setup(cluster, n)
-        rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
-        poll_for(lambda: sum(rv.done() for rv in rvs) > 20, 60, what="training to start")
-        # Frozen mid-step (until the test thaws it, below): its step waits, then drops it.
-        cluster.partition("worker:1", seconds=3600.0)
-        poll_for(lambda: not coord.status()[1]["healthy"], 20, what="worker:1 declared failed after the timeout")
-        done = sum(rv.done() for rv in rvs)
-        poll_for(lambda: sum(rv.done() for rv in rvs) > done + 10, 60, what="steps going on without worker:1")
-        os.kill(cluster.pid("worker:1"), signal.SIGCONT)  # it thaws while steps go on
-        coord.join()  # it is fenced (its late push is refused), rejoins
-        assert all(isinstance(rv.fetch(), int) for rv in rvs)
-        _check_exactly_once(coord, ids, counter, n)
-        coord.shutdown()
-        strategy.close()
+        try:
+            rvs = [coord.schedule(step, args=(i,)) for i in range(n)]
+            poll_for(lambda: sum(rv.done() for rv in rvs) > 20, 60, what="training to start")
+            # Frozen mid-step (until the test thaws it, below): its step waits, then drops it.
+            cluster.partition("worker:1", seconds=3600.0)
+            poll_for(lambda: not coord.status()[1]["healthy"], 20, what="worker:1 declared failed after the timeout")
+            done = sum(rv.done() for rv in rvs)
+            poll_for(lambda: sum(rv.done() for rv in rvs) > done + 10, 60, what="steps going on without worker:1")
+            os.kill(cluster.pid("worker:1"), signal.SIGCONT)  # it thaws while steps go on
+            coord.join()  # it is fenced (its late push is refused), rejoins
+            assert all(isinstance(rv.fetch(), int) for rv in rvs)
+            _check_exactly_once(coord, ids, counter, n)
+        finally:  # a failure must not leave the coordinator's threads behind
+            coord.shutdown()
+            strategy.close()

@@ -85,6 +85,18 @@ def test_error_waits_for_running_closures() -> None:
     assert raised.is_set()
 
 
+def test_a_timed_wait_is_bounded_while_an_error_waits_for_running_closures() -> None:
+    """join(timeout) with an error recorded and a closure still running: it times out (the error
+    kept for the next call) instead of waiting for that closure without a limit."""
+    q = _one_failed_one_running()
+    assert q.wait(timeout=0.05) is False  # b still runs: timed out, nothing raised or cleared
+    assert q.has_error()
+    q.mark_finished()
+    with pytest.raises(ValueError):
+        q.wait(timeout=5)
+    assert q.wait(timeout=0)
+
+
 def _waiting_in(thread: threading.Thread, function: str) -> bool:
     """Whether ``thread`` is blocked inside ``function`` (a frame of its stack)."""
     frame = sys._current_frames().get(thread.ident or -1)
