@@ -234,7 +234,8 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
     examples = args.steps * args.batch
     return dict(examples_per_s=round(examples / (t1 - t0), 1), seconds=round(t1 - t0, 3),
                 epoch_end_sync_s=round(sync_s, 3),
-                steps_examples_per_s=round(examples / max(1e-9, t1 - t0 - sync_s), 1),
+                # null when the pull timed on its own took longer than the whole epoch did (a loaded machine)
+                steps_examples_per_s=round(examples / (t1 - t0 - sync_s), 1) if t1 - t0 > sync_s else None,
                 loss=clock.loss, bytes_pulled_per_step=int((pull1 - pull0 - model_bytes) / args.steps),
                 bytes_pushed_per_step=int((push1 - push0) / args.steps), distinct_ids_per_step=round(distinct, 1),
                 row_bytes=args.dim * 4, distinct_row_bytes_per_step=int(distinct * args.dim * 4),

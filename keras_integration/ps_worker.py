@@ -8,7 +8,8 @@ every step:
 
 - pulls the model's variables from the PS (one call per PS task, in parallel;
   of a row-sparse embedding only the rows the batch looks up:
-  :mod:`jaxdist.keras.ps_embedding`);
+  :mod:`jaxdist.keras.ps_embedding`, the rows of every table in one more call
+  per PS task: :func:`read_rows`);
 - runs Keras's own stateless step (``compute_loss_and_updates`` under
   ``jax.value_and_grad``, then Keras's metric update), jit-compiled once;
 - training: pushes, in one atomic push per PS task, the gradients (applied
@@ -27,7 +28,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -36,9 +38,9 @@ import numpy as np
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.cluster_coordinator.datasets import StepsPerExecution
 from jaxdist.keras import compat
-from jaxdist.proto.ps_wire import Op
-from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, padded, with_input_dims
-from jaxdist.variables import SparseGradient, gradient_updates, pull, push_updates, split_update
+from jaxdist.proto.ps_wire import Op, PullSpec
+from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, with_input_dims
+from jaxdist.variables import SparseGradient, gradient_updates, pull, pull_specs, push_updates, split_update
 from jaxdist.worker.context import current_worker_index
 
 logger = logging.getLogger(__name__)
@@ -167,10 +169,9 @@ class _Step:
     def state(self, dense_values: list[Any]) -> tuple[list[Any], list[Any]]:
         """``(trainable, non_trainable)`` values: the dense ones given, the sparse tables' rows read now."""
         it = iter(dense_values)
-        trainable = []
-        for i, var in enumerate(self.spec.trainable):
-            r = self.rows.get(i)
-            trainable.append(next(it) if r is None else padded(var.sparse_read(r.ids), r.size))
+        order = sorted(self.rows)
+        read = dict(zip(order, read_rows([self.spec.trainable[i] for i in order], [self.rows[i] for i in order])))
+        trainable = [next(it) if i not in read else read[i] for i in range(len(self.spec.trainable))]
         return trainable, list(it)
 
     def updates(self, grads: list[Any], non_trainable: list[Any]) -> list[Any]:
@@ -185,6 +186,45 @@ class _Step:
             out.extend(split_update(var, Op.ASSIGN, np.asarray(v), broadcast=False))
         out.extend(split_update(spec.iterations, Op.ASSIGN_ADD, np.ones((), np.int64)))
         return out
+
+
+def read_rows(tables: Sequence[Any], rows: Sequence[Rows]) -> list[np.ndarray]:
+    """Each table's rows ``rows[k].ids`` (sorted, distinct), zero-padded to ``rows[k].size`` rows.
+
+    One pull per PS task for all the tables together (a DLRM-shaped model looks up 26 tables a step:
+    one round trip per table and shard was most of a step), each shard's rows received in place
+    into its slice of the table's result. ``tables``: jaxdist Variables or ShardedVariables.
+
+    Raises:
+        IndexError: an id outside ``[0, rows of the table)`` (nothing is read).
+    """
+    by_ps: dict[int, list[PullSpec]] = defaultdict(list)
+    outs: dict[int, list[np.ndarray | None]] = defaultdict(list)
+    results = []
+    conns = None
+    for var, r in zip(tables, rows):
+        ids = r.ids
+        n_rows = int(var.shape[0])
+        if ids.size and (ids[0] < 0 or ids[-1] >= n_rows):
+            raise IndexError(f"row index out of range [0, {n_rows}) for {var.name!r}")
+        out = np.zeros((r.size,) + tuple(var.shape[1:]), var.dtype)  # rows past len(ids): padding, never read
+        shards = var.shards()
+        cuts = np.searchsorted(ids, [first for _, first in shards] + [n_rows])
+        for (shard, first), a, b in zip(shards, cuts[:-1], cuts[1:]):
+            if a == b:
+                continue
+            conns = shard.connections()
+            by_ps[shard.ps_index].append(PullSpec(shard.name, indices=ids[a:b] - first))
+            outs[shard.ps_index].append(out[a:b])
+        results.append(out)
+    if conns is not None:
+        got = pull_specs(conns, dict(by_ps), outs=dict(outs))
+        for ps, dests in outs.items():
+            for dest, (value, _version) in zip(dests, got[ps]):
+                if value is not dest:  # received elsewhere (the transport could not write in place)
+                    assert dest is not None and value is not None
+                    dest[...] = value
+    return results
 
 
 def train(spec: ModelSpec, batches: Iterator[Any], steps: int) -> list[Any]:
