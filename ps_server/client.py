@@ -390,18 +390,22 @@ class PSClient(ServiceClient):
         if timeout is not None or method is not None or not update_id:
             return self._send_once(header, arrays, first, method)
         limit = time.monotonic() + push_work_timeout()
+        wait = first
         while True:
             try:
-                return self._send_once(header, arrays, first, method)
+                return self._send_once(header, arrays, wait, method)
             except JaxdistError as e:
                 if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
                     raise
                 self._check_alive(e)
+            # Each resent copy holds a PS thread until the first copy is applied: the deadline doubles
+            # per resend, so a long step costs a few copies (log2 of work / deadline), not one per deadline.
+            wait = min(2 * wait, max(first, limit - time.monotonic()))
             with self._dp_lock:
                 self.push_resends += 1
             logger.info("%s: push %s outlasted its %.1fs deadline while the PS answers health checks (its update "
-                        "step is slow); sending it again under the same id, which the PS applies once", self.task,
-                        update_id, first)
+                        "step is slow); sending it again under the same id (which the PS applies once) with a "
+                        "%.1fs deadline", self.task, update_id, first, wait)
 
     def _check_alive(self, cause: JaxdistError) -> None:
         """Raise ``cause`` (a push's deadline error) unless this PS answers a health check: a dead or
