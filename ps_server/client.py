@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,7 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from jaxdist.base.errors import ServerBusyError, StepBarrierTimeoutError
+from jaxdist.base.errors import ConfigurationError, JaxdistError, ServerBusyError, StepBarrierTimeoutError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig
@@ -39,7 +40,8 @@ from jaxdist.transport.credentials import PLAINTEXT, Credentials
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "PSClient", "PullSpec", "Update", "create_deadline", "deadline_for"]
+__all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "DEFAULT_PUSH_WORK_TIMEOUT_S", "PSClient", "PUSH_WORK_TIMEOUT_ENV",
+           "PullSpec", "Update", "create_deadline", "deadline_for", "push_work_timeout"]
 
 #: Deadline = base + bytes / rate: generous for loopback, still bounded. A dead
 #: peer is not always announced by a connection reset (e.g. a frozen or cut-off
@@ -68,6 +70,41 @@ _BARRIER_POLL_S = 2.0
 def deadline_for(nbytes: int) -> float:
     """Seconds a call moving ``nbytes`` may take."""
     return _BASE_DEADLINE_S + nbytes / _MIN_RATE_BYTES_PER_S
+
+
+#: A push's deadline (:func:`deadline_for`) bounds moving its bytes, not the PS's work on it: an
+#: optimizer step the PS runs for a few gradient rows may touch a whole table (the exact mode's
+#: dense rule: Adam on a 10M x 16 table is 160M elements and its two slots), which on a loaded
+#: host outlasts any transfer deadline. So a push with an ``update_id`` whose deadline passes is
+#: not failed while the PS still answers a health check (GetStatus within
+#: :data:`_LIVENESS_TIMEOUT_S`): it is sent again under the same id, and the PS, which
+#: applies an id at most once, holds the resent copy until the first is applied and answers it as
+#: a duplicate. A dead PS fails the push at once (connection lost) and a frozen or cut-off one
+#: within one deadline plus one health check, as before; a PS that answers health checks but never
+#: finishes the push fails it after this many seconds of work (``JAXDIST_PUSH_WORK_TIMEOUT_S``).
+PUSH_WORK_TIMEOUT_ENV = "JAXDIST_PUSH_WORK_TIMEOUT_S"
+DEFAULT_PUSH_WORK_TIMEOUT_S = 1800.0
+#: Deadline of the health check made when a push's deadline passed.
+_LIVENESS_TIMEOUT_S = 5.0
+
+
+def push_work_timeout() -> float:
+    """Seconds a PS that answers health checks may work on one identified push (see
+    :data:`PUSH_WORK_TIMEOUT_ENV`; default :data:`DEFAULT_PUSH_WORK_TIMEOUT_S`).
+
+    Raises:
+        ConfigurationError: the variable is set but not a positive number of seconds.
+    """
+    raw = os.environ.get(PUSH_WORK_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_PUSH_WORK_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ConfigurationError(f"{PUSH_WORK_TIMEOUT_ENV}={raw!r}: expected a positive, finite number of seconds")
+    return value
 
 
 #: The PS materialises a created variable whatever travels: an initializer runs there, in numpy,
@@ -137,6 +174,8 @@ class PSClient(ServiceClient):
         self._dp_host = _dial_host(address) if data_plane else None
         self._dp: dataplane.DataPlaneClient | None = None
         self._dp_lock = threading.Lock()
+        #: Identified pushes sent again because their deadline passed while the PS, alive, worked.
+        self.push_resends = 0
         # Back-off of the data plane (see _DP_RETRY_REFUSED_S): when to try it again (0: not backing
         # off) and the next wait (0: the schedule's first).
         self._dp_retry_at = 0.0
@@ -342,8 +381,44 @@ class PSClient(ServiceClient):
     def _send(self, header: Any, arrays: list[np.ndarray], timeout: float | None,
               method: grpc.StreamUnaryMultiCallable | None = None) -> ps_pb2.PushResponse:
         """A header and its payload: over the data plane when ``method`` is Push (the default) and
-        the PS has one, else as a gRPC stream of raw frames."""
-        timeout = timeout or deadline_for(sum(a.nbytes for a in arrays))
+        the PS has one, else as a gRPC stream of raw frames.
+
+        Without a ``timeout``, a push with an update id is sent again while the PS is alive and
+        working on it (see :data:`PUSH_WORK_TIMEOUT_ENV`); a given ``timeout`` bounds the call."""
+        first = timeout or deadline_for(sum(a.nbytes for a in arrays))
+        update_id = getattr(header, "update_id", "")
+        if timeout is not None or method is not None or not update_id:
+            return self._send_once(header, arrays, first, method)
+        limit = time.monotonic() + push_work_timeout()
+        wait = first
+        while True:
+            try:
+                return self._send_once(header, arrays, wait, method)
+            except JaxdistError as e:
+                if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
+                    raise
+                self._check_alive(e)
+            # Each resent copy holds a PS thread until the first copy is applied: the deadline doubles
+            # per resend, so a long step costs a few copies (log2 of work / deadline), not one per deadline.
+            wait = min(2 * wait, max(first, limit - time.monotonic()))
+            with self._dp_lock:
+                self.push_resends += 1
+            logger.info("%s: push %s outlasted its %.1fs deadline while the PS answers health checks (its update "
+                        "step is slow); sending it again under the same id (which the PS applies once) with a "
+                        "%.1fs deadline", self.task, update_id, first, wait)
+
+    def _check_alive(self, cause: JaxdistError) -> None:
+        """Raise ``cause`` (a push's deadline error) unless this PS answers a health check: a dead or
+        cut-off PS fails the push now. A busy answer is an answer."""
+        try:
+            self.status(timeout=_LIVENESS_TIMEOUT_S)
+        except ServerBusyError:
+            return
+        except JaxdistError:
+            raise cause from None
+
+    def _send_once(self, header: Any, arrays: list[np.ndarray], timeout: float,
+                   method: grpc.StreamUnaryMultiCallable | None) -> ps_pb2.PushResponse:
         if method is None and self._dp_host is not None:
             res = self._data_plane_call(dataplane.PUSH, header.SerializeToString(), arrays, timeout)
             if res is not None:

@@ -1,12 +1,30 @@
-"""The PS client's deadlines follow the work a call asks for, not only the bytes it sends."""
+"""The PS client's deadlines follow the work a call asks for, not only the bytes it sends: a create's
+by the bytes the PS makes, an identified push's by the PS working on it while it answers health checks."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
+import grpc
 import numpy as np
 import pytest
 
-from jaxdist.base.errors import InvalidRequestError
-from jaxdist.ps_server.client import CreateSpec, create_deadline, deadline_for
+from jaxdist.base.errors import ConfigurationError, InvalidRequestError, PSUnavailableError
+from jaxdist.proto.ps_wire import Op
+from jaxdist.ps_server import client as ps_client_module
+from jaxdist.ps_server.client import (
+    DEFAULT_PUSH_WORK_TIMEOUT_S,
+    PUSH_WORK_TIMEOUT_ENV,
+    CreateSpec,
+    PSClient,
+    PullSpec,
+    Update,
+    create_deadline,
+    deadline_for,
+    push_work_timeout,
+)
+from jaxdist.testing import poll_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -33,3 +51,129 @@ def test_a_create_deadline_adds_up_its_entries_values_included() -> None:
     # A dtype that cannot travel is refused as encoding the create refuses it.
     with pytest.raises(InvalidRequestError):
         create_deadline([CreateSpec("c", shape=(10,), dtype="not-a-dtype", initializer=_init)])
+
+
+# --------------------------------------------------------------- a push outlasting its deadline
+class _SlowApply:
+    """A PS store hook run inside each push's apply step (variables locked) that holds the push
+    until the test releases it: a slow optimizer step, controlled by events, not by time."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.calls = 0
+
+    def __call__(self, updates: object, update_id: str) -> None:
+        self.calls += 1
+        self.entered.set()
+        assert self.release.wait(120), "the test never released the push"
+
+
+@pytest.fixture
+def short_push_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Transfer deadlines of a fraction of a second: the held push outlasts several of them.
+    monkeypatch.setattr(ps_client_module, "_BASE_DEADLINE_S", 0.3)
+
+
+def _push_in_thread(client: Any, update: Update, update_id: str) -> tuple[threading.Thread, dict[str, Any]]:
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["answer"] = client.push([update], update_id=update_id)
+        except BaseException as e:  # handed to the test's thread
+            result["error"] = e
+
+    t = threading.Thread(target=run, name="jaxdist-test-push", daemon=True)
+    t.start()
+    return t, result
+
+
+@pytest.mark.usefixtures("short_push_deadline")
+def test_a_push_the_ps_works_on_past_its_deadline_completes_once(ps_server: Any, ps_client: Any) -> None:
+    ps_client.create([CreateSpec("w", value=np.zeros(4, np.float32))])
+    hook = _SlowApply()
+    ps_server.store.replicate = hook
+    t, result = _push_in_thread(ps_client, Update("w", Op.ASSIGN_ADD, np.ones(4, np.float32)), "u-slow")
+    try:
+        assert hook.entered.wait(60)
+        # The deadline passed (twice) while the PS, alive, was still applying: the client kept the push.
+        poll_for(lambda: ps_client.push_resends >= 2, timeout=60, what="the client to resend the held push")
+        assert "error" not in result and t.is_alive()
+    finally:
+        hook.release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert "error" not in result, result.get("error")
+    versions, _duplicate = result["answer"]
+    assert versions == [2]  # created at 1, the push applied once
+    assert hook.calls == 1  # the resent copies waited for the first and did nothing
+    ps_server.store.replicate = None
+    ((value, version),) = ps_client.pull([PullSpec("w")])
+    np.testing.assert_array_equal(value, np.ones(4, np.float32))
+    assert version == 2
+
+
+@pytest.mark.usefixtures("short_push_deadline")
+@pytest.mark.parametrize("transport", ["data_plane", "data_plane_tcp", "grpc"])
+def test_a_push_to_a_ps_that_dies_while_applying_fails_as_unavailable(ps_server: Any, transport: str) -> None:
+    # A client of its own: the ps_client fixture checks a live data-plane connection at its end.
+    client = PSClient(ps_server.address, ps_server.credentials, task="ps:0", data_plane=transport != "grpc",
+                      shared_memory=transport == "data_plane")
+    try:
+        client.create([CreateSpec("w", value=np.zeros(4, np.float32))])
+        hook = _SlowApply()
+        ps_server.store.replicate = hook
+        t, result = _push_in_thread(client, Update("w", Op.ASSIGN_ADD, np.ones(4, np.float32)), "u-dead")
+        stopping = threading.Thread(target=ps_server.stop, kwargs={"grace": None}, name="jaxdist-test-stop")
+        try:
+            assert hook.entered.wait(60)
+            poll_for(lambda: client.push_resends >= 1, timeout=60, what="the client to resend the held push")
+            # The PS goes (its sockets close; its stop waits for the push handler held in the hook,
+            # so it runs beside the test until the hook is released).
+            stopping.start()
+            # Failed at once, not after the push work limit (30 min): no health check answers now.
+            t.join(60)
+            assert not t.is_alive()
+        finally:
+            hook.release.set()
+        if stopping.ident is not None:
+            stopping.join(60)
+        assert isinstance(result.get("error"), PSUnavailableError), result
+    finally:
+        client.close()
+
+
+def test_a_push_without_an_identity_is_not_sent_again(ps_server: Any, ps_client: Any,
+                                                       short_push_deadline: None) -> None:
+    # Without an update id the PS cannot tell a resent copy from a new push: the deadline fails it.
+    ps_client.create([CreateSpec("w", value=np.zeros(4, np.float32))])
+    hook = _SlowApply()
+    ps_server.store.replicate = hook
+    t, result = _push_in_thread(ps_client, Update("w", Op.ASSIGN_ADD, np.ones(4, np.float32)), "")
+    try:
+        t.join(60)
+        assert not t.is_alive()
+    finally:
+        hook.release.set()
+    err = result.get("error")
+    assert isinstance(err, PSUnavailableError) and err.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED, result
+    assert ps_client.push_resends == 0
+    # The PS finished the one push it got once released; nothing was sent twice.
+    ps_server.store.replicate = None
+    poll_for(lambda: ps_client.pull([PullSpec("w")])[0][1] == 2, timeout=60, what="the held push to land")
+    assert hook.calls == 1
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon", "inf"])
+def test_a_bad_push_work_timeout_is_refused(monkeypatch: pytest.MonkeyPatch, raw: str) -> None:
+    monkeypatch.setenv(PUSH_WORK_TIMEOUT_ENV, raw)
+    with pytest.raises(ConfigurationError, match=PUSH_WORK_TIMEOUT_ENV):
+        push_work_timeout()
+
+
+def test_the_push_work_timeout_defaults_and_reads_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(PUSH_WORK_TIMEOUT_ENV, raising=False)
+    assert push_work_timeout() == DEFAULT_PUSH_WORK_TIMEOUT_S
+    monkeypatch.setenv(PUSH_WORK_TIMEOUT_ENV, "90")
+    assert push_work_timeout() == 90.0
