@@ -305,12 +305,14 @@ def test_optimizer_with_whole_tree_state_checkpoints_by_name(tmp_path: Path) -> 
 
 @pytest.mark.parametrize(
     "make",
-    [jaxdist.get_strategy, lambda: jaxdist.OneDeviceStrategy(0), jaxdist.MirroredStrategy, jaxdist.CentralStorageStrategy],
-    ids=["default", "one_device", "mirrored", "central_storage"],
+    [jaxdist.get_strategy, lambda: jaxdist.OneDeviceStrategy(0), jaxdist.MirroredStrategy, jaxdist.CentralStorageStrategy,
+     lambda: jaxdist.TPUStrategy(devices=jax.devices("cpu"))],
+    ids=["default", "one_device", "mirrored", "central_storage", "tpu"],
 )
 def test_metrics_are_made_and_updated_under_every_synchronous_strategy(make: Any) -> None:
-    """jaxdist.metrics in each synchronous strategy's scope, updated inside its run (the
-    ParameterServerStrategy's case is in tests/integration/test_coordinator.py)."""
+    """jaxdist.metrics in each synchronous strategy's scope, updated inside its run (TPUStrategy on this process's
+    CPU devices; the ParameterServerStrategy's case is in tests/integration/test_coordinator.py, the multi-process
+    MultiWorkerMirrored and TPU-slice cases in tests/multiprocess/test_sync_multiprocess.py)."""
     strategy = make()
     y = np.array([0, 1, 2, 1], np.int32)
     logits = np.eye(3, dtype=np.float32)[[0, 1, 1, 1]]
