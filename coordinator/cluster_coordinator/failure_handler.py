@@ -430,6 +430,8 @@ class FailureHandler:
         # Replication: shards whose primary answered as a new process (restarted, empty) and whose
         # backup is not promoted yet: never attach the backup to it (its full sync would empty it).
         self._lost_primary: set[int] = set()
+        #: The address each shard's primary answered at last (replication mode), to tell a new primary from a restart.
+        self._primary_at: dict[int, str] = {}
         self._held = False
 
     # ------------------------------------------------------------ configuration
@@ -723,12 +725,18 @@ class FailureHandler:
             p = self._ps[shard] = Liveness(self._clock())
         return p
 
-    def ps_answered(self, shard: int, incarnation: str = "", has_backup: bool = True) -> list[Decision]:
+    def ps_answered(self, shard: int, incarnation: str = "", has_backup: bool = True, primary: str = "") -> list[Decision]:
         """PS primary ``shard`` answered a status probe (as process ``incarnation``; whether its
-        backup is attached, in replication mode)."""
+        backup is attached, in replication mode; ``primary``: the address probed, "" unknown)."""
         with self._lock:
             p = self._shard(shard)
             p.answered(self._clock())
+            if primary and self._primary_at.get(shard) != primary:
+                # Another task is the primary now, promoted outside this handler (ReplicaSet.fail_over
+                # called by hand): its process is adopted, not taken for a restart of the old one.
+                self._primary_at[shard] = primary
+                if shard not in self._lost_primary:
+                    p.incarnation = ""
             if self._ps_mode is PSMode.CHECKPOINT:
                 if p.is_restart(incarnation):
                     self._restarted.add(shard)

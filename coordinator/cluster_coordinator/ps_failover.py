@@ -126,20 +126,20 @@ class ReplicaSet:
 
     def status(self, shard: int, timeout: float = 1.0) -> tuple[bool, bool]:
         """``(primary answers, primary has its backup attached)`` for shard ``shard``."""
-        alive, has_backup, _ = self.probe(shard, timeout)
+        alive, has_backup, _, _ = self.probe(shard, timeout)
         return alive, has_backup
 
-    def probe(self, shard: int, timeout: float = 1.0) -> tuple[bool, bool, str]:
-        """:meth:`status` and the primary's process incarnation ("" when it does not answer): a new
-        one means the primary restarted, with nothing in it."""
+    def probe(self, shard: int, timeout: float = 1.0) -> tuple[bool, bool, str, str]:
+        """:meth:`status`, the primary's process incarnation ("" when it does not answer: a new one
+        at the same address means the primary restarted, with nothing in it) and its address."""
         with self._lock:
             primary = self.pairs[shard][0]
         try:
             st = self._client(primary, shard, "primary").status(timeout=timeout)
         except JaxdistError:
-            return False, False, ""
+            return False, False, "", primary
         has_backup = st.counters.get("replica_has_backup", 0.0) == 1.0 and st.counters.get("replica_role", 0.0) == 0.0
-        return True, has_backup, st.incarnation
+        return True, has_backup, st.incarnation, primary
 
     def backup_reachable(self, shard: int, timeout: float = 1.0) -> bool:
         with self._lock:

@@ -139,9 +139,9 @@ class PSWatcher:
         for i in range(len(replicas.pairs)):
             if self._stop.is_set():
                 return
-            alive, has_backup, incarnation = replicas.probe(i, timeout=max(0.5, self._failover_after / 2))
+            alive, has_backup, incarnation, primary = replicas.probe(i, timeout=max(0.5, self._failover_after / 2))
             if alive:
-                self._host.apply(self._failures.ps_answered(i, incarnation, has_backup=has_backup))
+                self._host.apply(self._failures.ps_answered(i, incarnation, has_backup=has_backup, primary=primary))
             else:
                 self._host.apply(self._failures.ps_missed(i))
         self._host.apply(self._failures.ps_pass_done())

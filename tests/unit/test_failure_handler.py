@@ -417,6 +417,19 @@ def test_replication_attaches_a_missing_backup() -> None:
     assert h.ps_answered(1, has_backup=True) == []
 
 
+def test_replication_adopts_a_primary_promoted_by_hand_instead_of_failing_back() -> None:
+    """ReplicaSet.fail_over called by the script (not through this handler): the next probe reaches
+    another address, another process. That is the new primary, not a restart of the old one (which
+    made the watcher fail the shard back over to the old primary: nemesis seed 1919667383's final
+    check read shard 0 from one process twice). A restart at the same address is still one."""
+    h, _ = handler(mode=PSMode.REPLICATION, failover_after=1.5)
+    assert h.ps_answered(0, "p0", has_backup=True, primary="10.0.0.2:1") == []
+    assert h.ps_answered(0, "b0", has_backup=False, primary="10.0.0.4:1") == [fh.AttachBackup(0)]
+    assert h.ps_answered(0, "b0", has_backup=True, primary="10.0.0.4:1") == []
+    assert h.ps_answered(0, "b0-restarted", has_backup=False, primary="10.0.0.4:1") == [
+        fh.HoldDispatch("ps:0"), fh.FailOver(0)]
+
+
 def test_replication_fails_over_a_primary_that_restarted_before_it_was_seen_silent() -> None:
     """A primary killed and restarted at its address within ``failover_after`` answers as a new process,
     empty, without its backup. Attaching the backup to it (a full sync of nothing) wiped the shard on
