@@ -540,24 +540,12 @@ class VariableStore:
                 variables or ops (nothing changes).
         """
         digest = push_digest(updates) if update_id else ""
-        if update_id:
-            while True:
-                with self._lock:
-                    seen = self._applied.get(update_id)
-                    if seen is not None:
-                        if seen and seen != digest:
-                            raise UpdateMismatchError(
-                                f"update {update_id!r} was applied naming other variables or ops than this push "
-                                f"({', '.join(sorted({u.name for u in updates}))}): an update identity names one push, "
-                                "give each different push an identity of its own"
-                            )
-                        self.duplicates_dropped += 1
-                        return [self._vars[u.name].version if u.name in self._vars else 0 for u in updates], True
-                    pending = self._in_progress.get(update_id)
-                    if pending is None:
-                        self._in_progress[update_id] = threading.Event()
-                        break
-                pending.wait()
+        if update_id and self._claim(update_id, digest, lambda: (
+                f"update {update_id!r} was applied naming other variables or ops than this push "
+                f"({', '.join(sorted({u.name for u in updates}))}): an update identity names one push, "
+                "give each different push an identity of its own")):
+            with self._lock:
+                return [self._vars[u.name].version if u.name in self._vars else 0 for u in updates], True
         try:
             versions = self._apply_locked(updates, update_id, digest)
         finally:
@@ -576,32 +564,44 @@ class VariableStore:
         """
         if not update_id:
             return change(), False
+        if self._claim(update_id, digest, lambda: (
+                f"update {update_id!r} was applied naming other variables or tables than this push: "
+                "an update identity names one push, give each different push an identity of its own")):
+            return None, True
+        try:
+            result = change()
+            with self._lock:
+                self.updates_applied += 1
+                self._remember(update_id, digest)
+        finally:
+            with self._lock:
+                self._in_progress.pop(update_id).set()
+        return result, False
+
+    def _claim(self, update_id: str, digest: str, mismatch: Callable[[], str]) -> bool:
+        """Take ``update_id`` for this call: True if it was applied already (a duplicate, counted);
+        else False, with the id marked in progress (the caller pops it when done). A second call
+        with an id in progress waits for the first. An id applied with another ``digest`` raises
+        :class:`UpdateMismatchError` with ``mismatch()`` as its text."""
         while True:
             with self._lock:
                 seen = self._applied.get(update_id)
                 if seen is not None:
                     if seen and seen != digest:
-                        raise UpdateMismatchError(
-                            f"update {update_id!r} was applied naming other variables or tables than this push: "
-                            "an update identity names one push, give each different push an identity of its own")
+                        raise UpdateMismatchError(mismatch())
                     self.duplicates_dropped += 1
-                    return None, True
+                    return True
                 pending = self._in_progress.get(update_id)
                 if pending is None:
                     self._in_progress[update_id] = threading.Event()
-                    break
+                    return False
             pending.wait()
-        try:
-            result = change()
-            with self._lock:
-                self.updates_applied += 1
-                self._applied[update_id] = digest
-                while len(self._applied) > self._dedupe_capacity:
-                    self._applied.popitem(last=False)
-        finally:
-            with self._lock:
-                self._in_progress.pop(update_id).set()
-        return result, False
+
+    def _remember(self, update_id: str, digest: str) -> None:
+        """(With ``_lock`` held.) Put ``update_id`` in the dedupe table, dropping the oldest past capacity."""
+        self._applied[update_id] = digest
+        while len(self._applied) > self._dedupe_capacity:
+            self._applied.popitem(last=False)
 
     def validate(self, updates: Sequence[Update]) -> None:
         """Check a push (names, shapes, dtypes, indices, optimizers) without applying it.
@@ -665,9 +665,7 @@ class VariableStore:
                 return
             self.updates_applied += 1
             if update_id:
-                self._applied[update_id] = digest
-                while len(self._applied) > self._dedupe_capacity:
-                    self._applied.popitem(last=False)
+                self._remember(update_id, digest)
 
     def _check_indices(self, var: _Variable, indices: np.ndarray) -> np.ndarray:
         idx = np.asarray(indices)
