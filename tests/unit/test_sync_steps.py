@@ -197,16 +197,36 @@ def sync(staleness: int, members: list[int]) -> tuple[SyncSteps, FakeStore]:
 
 def test_a_retried_push_never_contributes_twice() -> None:
     s, store = sync(0, [0, 1])
-    assert s.push(0, "c1/1", [grad("w", 2.0)], commit=False) == (False, 0)
-    assert s.push(0, "c1/1", [grad("w", 9.0)], commit=False) == (True, 0)  # staged: duplicate
+    assert s.push(0, "c1/1", [grad("w", 2.0)], commit=False) == (False, True, 0)
+    assert s.push(0, "c1/1", [grad("w", 9.0)], commit=False) == (True, True, 0)  # staged: duplicate, awaits commit
     s.control(SyncKind.COMMIT, 0)
     s.push(1, "c2/1", [grad("w", 4.0)], commit=True)
     assert [(st, list(v)) for st, v, _ in store.applied] == [(0, ["w"])]
     np.testing.assert_array_equal(store.applied[0][1]["w"], [3.0, 3.0])
     assert store.applied[0][2] == ["c1/1", "c2/1"]
     # A re-run of closure c2 on worker 0, after the step was applied: a duplicate, nothing staged.
-    assert s.push(0, "c2/1", [grad("w", 100.0)], commit=True) == (True, 1)
+    assert s.push(0, "c2/1", [grad("w", 100.0)], commit=True) == (True, False, 1)
     assert len(store.applied) == 1
+
+
+def test_a_duplicate_of_a_staged_uncommitted_push_still_asks_for_the_commit() -> None:
+    # With several PS tasks the closure commits only when some PS answers ``staged``: a push sent
+    # again after a lost answer (or the closure re-run on the same worker) must still say so, or the
+    # worker's step is never committed and every member waits at the barrier.
+    s, store = sync(0, [0, 1])
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (False, True, 0)
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (True, True, 0)
+    # Another worker's re-run of the same closure is a duplicate that commits nothing of worker 0's.
+    assert s.push(1, "c/1", [grad("w", 2.0)], commit=False) == (True, False, 0)
+    s.control(SyncKind.COMMIT, 0)
+    # Once committed, a duplicate no longer asks for a commit (a second one would end step 1).
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (True, False, 1)
+    assert s.control(SyncKind.STATUS).clocks == {0: 1, 1: 0}
+    # A duplicate carrying ``commit`` (one PS) commits a staged contribution it finds uncommitted.
+    assert s.push(1, "d/1", [grad("w", 4.0)], commit=False) == (False, True, 0)
+    assert s.push(1, "d/1", [grad("w", 4.0)], commit=True) == (True, False, 1)
+    assert len(store.applied) == 1 and store.applied[0][2] == ["c/1", "d/1"]
+    np.testing.assert_array_equal(store.applied[0][1]["w"], [3.0, 3.0])
 
 
 def test_a_pull_waits_at_the_barrier_until_the_slowest_commits() -> None:
@@ -241,7 +261,7 @@ def test_drop_of_a_failed_member_unblocks_the_step() -> None:
     assert r.applied == 1 and r.clocks == {0: 1}
     np.testing.assert_array_equal(store.applied[0][1]["w"], [1.0, 1.0])
     # The discarded id is free again: the closure's re-run on worker 0 contributes to worker 0's step.
-    assert s.push(0, "b/1", [grad("w", 3.0)], commit=True) == (False, 1)
+    assert s.push(0, "b/1", [grad("w", 3.0)], commit=True) == (False, False, 1)
 
 
 # ------------------------------------------------------- coordinator plans
