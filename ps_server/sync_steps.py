@@ -203,11 +203,18 @@ class StepClock:
                 del self._staged[step]
 
     def join(self, w: int, step: int) -> int:
-        """Add ``w`` (from step ``max(step, applied)``); a member keeps its clock. Returns its clock."""
+        """Add ``w`` from step ``max(step, applied, its last counted step + 1)``; a member keeps its
+        clock. Returns its clock.
+
+        With staleness > 0 a dropped worker may have committed (or had kept) contributions to steps
+        not applied yet; they stay in their steps, so it rejoins after the last of them: joining at
+        ``applied`` would let it contribute to those steps twice (or have its push refused there).
+        """
         if not self.enabled:
             return 0
         if w not in self.clocks:
-            self.clocks[w] = max(step, self.applied)
+            counted = max((s for s, ws in self._counted.items() if w in ws), default=-1)
+            self.clocks[w] = max(step, self.applied, counted + 1)
             self._fenced.discard(w)
         return self.clocks[w]
 

@@ -119,6 +119,29 @@ def test_join_starts_at_the_applied_step_and_skip_moves_an_idle_member() -> None
         c.skip(1, 6)  # it has an uncommitted contribution: not idle
 
 
+def test_a_worker_dropped_ahead_of_the_applied_step_rejoins_after_its_counted_steps() -> None:
+    # Staleness 2: worker 0 commits steps 0 and 1 while worker 1 is still at step 0, then fails.
+    # Its committed contributions stay in their steps; it rejoins after them, not at ``applied``.
+    c = clock(2, [0, 1])
+    for i in range(2):
+        c.stage(0, f"a/{i}", [grad("w", 1.0)])
+        c.commit(0)
+    assert c.pop_complete() == []
+    c.fence(0)
+    c.drop(0)
+    assert c.join(0, 0) == 2
+    c.stage(0, "a/2", [grad("w", 1.0)])  # its step 2, not a second push to step 0
+    # Its contribution to step 2 kept by a drop (committed on another PS) counts too: back at step 3.
+    c.fence(0)
+    c.drop(0, keep=2)
+    assert c.join(0, 0) == 3
+    for i in range(2):
+        c.stage(1, f"b/{i}", [grad("w", 3.0)])
+        c.commit(1)
+    assert [(s, [x.update_id for x in cs], n) for s, cs, n in c.pop_complete()] == [
+        (0, ["a/0", "b/0"], 2), (1, ["a/1", "b/1"], 2)]
+
+
 def test_configure_off_and_no_members() -> None:
     c = clock(-1, [0])
     assert not c.enabled and c.ready(0)
