@@ -54,6 +54,7 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
 from jaxdist.keras import compat
 from jaxdist.keras.data import DatasetCreator, call_dataset_fn
+from jaxdist.keras.ps_embedding import dynamic_embeddings, renumber_dynamic_inputs
 from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
 from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
 
@@ -275,7 +276,10 @@ def _check_metric_aggregation(model: Any) -> None:
 
 def _build(model: Any, batch: Any) -> PSModel:
     """Build the model, its compiled loss and metrics from one batch (as Keras's fit does), then its PS state."""
-    compat.symbolic_build(model, batch)
+    if model.built and dynamic_embeddings(model):
+        _build_compiled(model, renumber_dynamic_inputs(model, batch))
+    else:
+        compat.symbolic_build(model, batch)
     _check_metric_aggregation(model)
     pm = ps_model(model)
     assert pm is not None
@@ -284,6 +288,25 @@ def _build(model: Any, batch: Any) -> PSModel:
             f"Keras model {model.name!r} has its variables on the parameter servers with optimizer "
             f"{pm.optimizer.name!r} (a custom loop in closures made them): fit/evaluate it compiled with that optimizer")
     return pm
+
+
+def _build_compiled(model: Any, batch: Any) -> None:
+    """Build a built model's compiled loss and metrics (and its optimizer) from one batch, as Keras's fit does
+    first, without calling the model: its predictions are stood in for by zeros of its outputs' shapes.
+
+    For models with DynamicEmbedding layers, whose declared inputs may be strings (no JAX array holds them: the
+    workers renumber the keys before the model sees them, which Keras's own symbolic build cannot). The metric
+    states this leaves are reset (:meth:`PSModel.spec` resets them before they travel).
+    """
+    x, y, sample_weight = compat.unpack_x_y_sample_weight(batch)
+    rows = len(keras.tree.flatten(y)[0]) if y is not None else len(keras.tree.flatten(x)[0])
+    outs = [np.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype) for t in model.outputs]
+    y_pred = outs[0] if len(outs) == 1 else outs
+    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    model.reset_metrics()
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
 
 
 def _steps_per_execution(model: Any) -> int:
@@ -459,8 +482,19 @@ def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: i
 
 
 def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Keras's own ``predict`` on the coordinator, with the PS's current weights."""
+    """Keras's own ``predict`` on the coordinator, with the PS's current weights.
+
+    Raises:
+        NotImplementedError: the model has a DynamicEmbedding layer (its rows are on the PS, looked up by the
+            workers' steps): not supported yet.
+    """
     pm = ps_model(model)
+    if pm is not None and pm.dynamic:
+        raise NotImplementedError(
+            f"predict of Keras model {model.name!r} under ParameterServerStrategy: it has jaxdist.keras.layers."
+            "DynamicEmbedding layers, whose rows are looked up on the parameter servers by the workers' fit/evaluate "
+            "steps; predict (on the coordinator) does not look them up yet: use evaluate, or read rows with the "
+            "table's lookup (jaxdist.keras.dynamic_tables(model))")
     if pm is not None:
         pm.sync()
     previous = keras.distribution.distribution()
