@@ -304,3 +304,60 @@ def test_backup_and_restore_saves_and_restores_the_table(tmp_path: Path) -> None
     np.testing.assert_array_equal(resumed[1], straight[1])
     for a, b in zip(resumed[2], straight[2]):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_a_row_sparse_embedding_and_a_dynamic_one_in_one_model() -> None:
+    """A functional model with two inputs: a Keras Embedding partitioned over 2 PS (rows on the wire) and a
+    DynamicEmbedding, concatenated into a Dense layer. The worker's copy holds the compact dynamic table between
+    the Keras table and the kernel among its trainable variables: every gradient must reach its own variable.
+    Reference by hand: SGD on both tables (the looked-up rows), the DynamicTableShards, the dense layer."""
+    vocab, steps, lr = 50, 5, 0.5
+    rng = np.random.default_rng(8)
+    ids = rng.integers(0, vocab, size=(steps * BATCH, WIDTH)).astype(np.int32)
+    keys = _keys("int64", steps * BATCH, seed=21)
+    y = rng.normal(size=(steps * BATCH, 1)).astype(np.float32)
+    with InProcessCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(
+            cluster.cluster_resolver(), variable_partitioner=jaxdist.FixedShardsPartitioner(2))
+        try:
+            with strategy.scope():
+                id_in = keras.Input((WIDTH,), dtype="int32", name="ids")
+                key_in = keras.Input((WIDTH,), dtype="int64", name="keys")
+                static = keras.layers.Flatten()(keras.layers.Embedding(vocab, DIM, name="static")(id_in))
+                dynamic = keras.layers.Flatten()(
+                    jaxdist.keras.layers.DynamicEmbedding(DIM, name="dynamic", seed=5, min_count=2)(key_in))
+                out = keras.layers.Dense(1, name="out")(keras.layers.Concatenate()([static, dynamic]))
+                model = keras.Model([id_in, key_in], out)
+                model.compile(keras.optimizers.SGD(lr), "mse")
+            table0, kernel0, bias0 = model.get_weights()
+            items = [([ids[i:i + BATCH], keys[i:i + BATCH]], y[i:i + BATCH]) for i in range(0, len(y), BATCH)]
+            model.fit(jaxdist.keras.DatasetCreator(lambda ctx: items), epochs=1, steps_per_epoch=steps, verbose=0)
+            assert isinstance(jaxdist.keras.ps_variables(model)[0], jaxdist.ShardedVariable)
+            table_got, kernel_got, bias_got = model.get_weights()
+            dyn = jaxdist.keras.dynamic_tables(model)["dynamic"]
+            stats = dyn.stats()
+            rows_got = dyn.lookup(keys)
+        finally:
+            _close(strategy)
+    ref = _Table(dyn)
+    table, kernel, bias = table0.astype(np.float64), kernel0.astype(np.float64), bias0.astype(np.float64)
+    for t in range(steps):
+        sl = slice(t * BATCH, (t + 1) * BATCH)
+        emb_s = table[ids[sl]].reshape(BATCH, WIDTH * DIM)
+        emb_d = ref.lookup(keys[sl]).astype(np.float64).reshape(BATCH, WIDTH * DIM)
+        feats = np.concatenate([emb_s, emb_d], axis=1)
+        d = 2 * (feats @ kernel + bias - y[sl]) / BATCH
+        g_feats = d @ kernel.T
+        g_table = np.zeros_like(table)
+        np.add.at(g_table, ids[sl], g_feats[:, :WIDTH * DIM].reshape(BATCH, WIDTH, DIM))
+        kernel, bias = kernel - lr * feats.T @ d, bias - lr * d.sum(0)
+        table -= lr * g_table
+        ref.push(keys[sl], g_feats[:, WIDTH * DIM:].reshape(BATCH, WIDTH, DIM))
+    want = ref.stats()
+    assert stats == {k: want[k] for k in stats}, (stats, want)
+    assert stats["admissions_refused"] > 0 and stats["rows"] > 0, stats
+    np.testing.assert_allclose(rows_got, ref.lookup(keys), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(table_got, table, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(kernel_got, kernel, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(bias_got, bias, rtol=2e-4, atol=2e-5)
