@@ -19,7 +19,8 @@ As tf.keras did under ``ParameterServerStrategy`` (TF's rules):
   TF's exact inline evaluation: every batch is evaluated exactly once, also
   when workers die (jaxdist's exactly-once data ledger).
 - ``predict``: on the coordinator, with the PS's current weights (Keras's own
-  ``predict`` after :meth:`PSModel.sync`).
+  ``predict`` after :meth:`PSModel.sync`; a model with DynamicEmbedding layers
+  runs a copy of the model per batch, with the batch's rows looked up).
 
 Keras's own ``CallbackList`` (``History``, the progress bar, user callbacks)
 runs on the coordinator. Metrics are exact: each closure returns the Keras
@@ -57,6 +58,7 @@ from jaxdist.keras.data import DatasetCreator, call_dataset_fn
 from jaxdist.keras.ps_embedding import dynamic_embeddings, renumber_dynamic_inputs
 from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
 from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
+from jaxdist.keras.ps_worker import predict as ps_predict
 
 logger = logging.getLogger(__name__)
 
@@ -482,19 +484,11 @@ def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: i
 
 
 def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Keras's own ``predict`` on the coordinator, with the PS's current weights.
-
-    Raises:
-        NotImplementedError: the model has a DynamicEmbedding layer (its rows are on the PS, looked up by the
-            workers' steps): not supported yet.
-    """
+    """Keras's own ``predict`` on the coordinator, with the PS's current weights (a model with DynamicEmbedding
+    layers: :func:`_predict_dynamic`)."""
     pm = ps_model(model)
     if pm is not None and pm.dynamic:
-        raise NotImplementedError(
-            f"predict of Keras model {model.name!r} under ParameterServerStrategy: it has jaxdist.keras.layers."
-            "DynamicEmbedding layers, whose rows are looked up on the parameter servers by the workers' fit/evaluate "
-            "steps; predict (on the coordinator) does not look them up yet: use evaluate, or read rows with the "
-            "table's lookup (jaxdist.keras.dynamic_tables(model))")
+        return _predict_dynamic(model, pm, *args, **kwargs)
     if pm is not None:
         pm.sync()
     previous = keras.distribution.distribution()
@@ -503,6 +497,24 @@ def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -
         return method(model, *args, **kwargs)
     finally:
         keras.distribution.set_distribution(previous)
+
+
+def _predict_dynamic(model: Any, pm: PSModel, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                     steps: int | None = None, callbacks: Any = None) -> Any:
+    """``predict`` of a model with DynamicEmbedding layers, on the coordinator: each batch's keys are looked up
+    in their tables (a pure read: keys not admitted read the default vector, admitted keys without a row their
+    initializer row), the other variables are the PS's current values. Arrays only; ``verbose`` shows a
+    progress bar (Keras's ``Progbar``) per batch."""
+    if not _is_arrays(x):
+        raise ValueError("predict under ParameterServerStrategy of a model with DynamicEmbedding layers takes arrays "
+                         f"(one per model input), not {type(x).__name__}")
+    _refuse("callbacks", callbacks, None, "predict of a model with DynamicEmbedding layers runs no callbacks")
+    data = ArrayBatches(x, None, None, 32 if batch_size is None else batch_size)
+    count = len(data) if steps is None else min(int(steps), len(data))
+    bar = keras.utils.Progbar(count) if verbose not in (0, "0") else None
+    outs = ps_predict(pm.spec(), [data[i][0] for i in range(count)],
+                      progress=None if bar is None else (lambda i: bar.update(i + 1)))
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outs)
 
 
 def route(model: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any] | None:

@@ -59,7 +59,8 @@ from jaxdist.worker.context import current_worker_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "SkipBatches", "RepeatingDataset", "worker_model"]
+__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "SkipBatches", "RepeatingDataset", "predict", "predict_model",
+           "worker_model"]
 
 
 class ModelSpec:
@@ -97,13 +98,7 @@ class _WorkerModel:
     def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
         import keras
 
-        model_json = spec.model_json
-        if dims is not None:
-            model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
-            if spec.dynamic:
-                model_json = with_compact_tables(
-                    model_json, {d.layer: n for d, n in zip(spec.dynamic, dims[len(spec.sparse):])})
-        model = keras.models.model_from_json(model_json)
+        model = keras.models.model_from_json(_copy_json(spec, dims))
         config = dict(spec.compile_config)
         # The PS runs the optimizer; the worker's copy needs one without slots (Keras's loss computation
         # reads the optimizer's variables: its step and learning rate) that clips gradients as the user's does.
@@ -123,10 +118,7 @@ class _WorkerModel:
             return
         compat.symbolic_build(self.model, batch)
         m = self.model
-        if self.spec.dynamic:
-            by_name = {layer.name: layer for layer in compat.flatten_layers(m)}
-            tables = [by_name[d.layer].embeddings for d in self.spec.dynamic]
-            self.dynamic_index = [next(i for i, v in enumerate(m.trainable_variables) if v is t) for t in tables]
+        self.dynamic_index = _dynamic_index(m, self.spec)
         if (len(m.trainable_variables), len(m.non_trainable_variables), len(m.metrics_variables)) != (
                 len(self.spec.trainable) + len(self.spec.dynamic), len(self.spec.non_trainable),
                 len(self.spec.metric_init)):
@@ -156,7 +148,55 @@ class _WorkerModel:
         return metrics
 
 
+def _copy_json(spec: ModelSpec, dims: tuple[int, ...] | None) -> str:
+    """The JSON of a copy of ``spec``'s model with compact tables of ``dims`` rows (see :class:`_WorkerModel`)."""
+    model_json = spec.model_json
+    if dims is not None:
+        model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
+        if spec.dynamic:
+            model_json = with_compact_tables(
+                model_json, {d.layer: n for d, n in zip(spec.dynamic, dims[len(spec.sparse):])})
+    return model_json
+
+
+def _dynamic_index(model: Any, spec: ModelSpec) -> list[int]:
+    """Where each dynamic layer's compact table is among ``model``'s (a built copy's) trainable variables."""
+    if not spec.dynamic:
+        return []
+    by_name = {layer.name: layer for layer in compat.flatten_layers(model)}
+    tables = [by_name[d.layer].embeddings for d in spec.dynamic]
+    return [next(i for i, v in enumerate(model.trainable_variables) if v is t) for t in tables]
+
+
+class _PredictModel:
+    """A copy of the model for ``predict`` on the coordinator (compact tables of ``dims`` rows; not compiled):
+    the forward pass only, jit-compiled once per size class."""
+
+    def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
+        import keras
+
+        model = keras.models.model_from_json(_copy_json(spec, dims))
+        if not model.built:
+            raise ConfigurationError("predict under ParameterServerStrategy of a model with DynamicEmbedding layers "
+                                     "needs a model built from keras.Input (a functional or Sequential model)")
+        self.model = model
+        self.dynamic_index = _dynamic_index(model, spec)
+        self.lock = threading.Lock()
+        self._predict = jax.jit(self._forward)
+
+    def _forward(self, trainable: Any, non_trainable: Any, x: Any) -> Any:
+        outputs, _ = self.model.stateless_call(trainable, non_trainable, x, training=False)
+        return outputs
+
+    def build(self, batch: Any) -> None:
+        """Nothing to build: the copy is built from its inputs' declaration."""
+
+    def predict(self, state: tuple[list[Any], list[Any]], x: Any) -> Any:
+        return self._predict(state[0], state[1], x)
+
+
 _models: dict[tuple[str, int, tuple[int, ...] | None], _WorkerModel] = {}
+_predict_models: dict[tuple[str, tuple[int, ...] | None], _PredictModel] = {}
 _models_lock = threading.Lock()
 
 
@@ -172,11 +212,24 @@ def worker_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _Worke
         return wm
 
 
+def predict_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _PredictModel:
+    """The coordinator's copy of ``spec``'s model for ``predict`` (with compact tables of ``dims`` rows), made
+    on first use."""
+    key = (spec.uid, dims)
+    with _models_lock:
+        pm = _predict_models.get(key)
+        if pm is None:
+            pm = _predict_models[key] = _PredictModel(spec, dims)
+        return pm
+
+
 class _Step:
     """One batch on the worker: the model copy to run, the batch for it, the rows of its sparse tables and the
-    keys of its dynamic tables."""
+    keys of its dynamic tables. ``copy``: which copy of the model runs it (a worker's :func:`worker_model`, or
+    :func:`predict_model` for ``predict`` on the coordinator)."""
 
-    def __init__(self, spec: ModelSpec, batch: Any) -> None:
+    def __init__(self, spec: ModelSpec, batch: Any, copy: Any = None) -> None:
+        copy = worker_model if copy is None else copy
         self.spec = spec
         self.rows: dict[int, Rows] = {}
         self.keys: list[DynamicKeys] = []
@@ -186,11 +239,11 @@ class _Step:
             if got is not None:
                 x, rows, self.keys = got
                 self.rows = {e.trainable_index: r for e, r in zip(spec.sparse, rows)}
-                self.model = worker_model(spec, tuple(r.size for r in rows) + tuple(k.size for k in self.keys))
+                self.model = copy(spec, tuple(r.size for r in rows) + tuple(k.size for k in self.keys))
                 self.batch = compat.pack_x_y_sample_weight(x, y, sw)
                 self.model.build(self.batch)
                 return
-        self.model = worker_model(spec)
+        self.model = copy(spec)
         self.batch = batch
         self.model.build(batch)
 
@@ -309,6 +362,28 @@ def evaluate(spec: ModelSpec, batches: Any) -> list[Any]:
         with step.model.lock:
             metrics = step.model.test(step.state(dense[key]), metrics, step.batch)
     return metrics
+
+
+def predict(spec: ModelSpec, batches: Sequence[Any], progress: Any = None) -> list[Any]:
+    """The model's outputs (numpy) for each batch of inputs ``batches`` (``predict`` on the coordinator of a model
+    with DynamicEmbedding layers: their rows and the row-sparse tables' are read per batch, the dense variables
+    once); ``progress(i)`` is called after batch ``i``."""
+    import keras
+
+    outs = []
+    dense: dict[int, list[Any]] = {}
+    for i, x in enumerate(batches):
+        step = _Step(spec, (x,), copy=predict_model)
+        key = len(step.rows)
+        if key not in dense:
+            dense[key] = pull(step.dense_variables())
+        x_step, _, _ = compat.unpack_x_y_sample_weight(step.batch)
+        with step.model.lock:
+            out = step.model.predict(step.state(dense[key]), x_step)
+        outs.append(keras.tree.map_structure(np.asarray, out))
+        if progress is not None:
+            progress(i)
+    return outs
 
 
 def _metrics_out(metrics: list[Any]) -> list[np.ndarray]:

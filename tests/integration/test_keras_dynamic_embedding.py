@@ -170,7 +170,8 @@ CASES: dict[str, dict[str, Any]] = {
 ])
 def test_fit_equals_the_custom_loop_reference(case: str) -> None:
     """fit with one worker: the table's rows and counters equal the reference shards' exactly (admission and
-    eviction counts included), the dense weights Keras's rule by hand; evaluate's loss is the hand-computed one."""
+    eviction counts included), the dense weights Keras's rule by hand; evaluate's loss and predict's outputs
+    are the hand-computed ones (and change nothing in the table)."""
     c = CASES[case]
     steps, epochs = 6, 2
     keys = _keys(c["key_dtype"], steps * BATCH, seed=len(case))
@@ -194,6 +195,7 @@ def test_fit_equals_the_custom_loop_reference(case: str) -> None:
             probe = _keys(c["key_dtype"], 200, seed=99)  # every key of the population (and a few never seen)
             got_rows = table.lookup(probe)
             evaluated = model.evaluate(keys, y, batch_size=BATCH, return_dict=True, verbose=0)
+            predicted = model.predict(keys[:BATCH + 3], batch_size=BATCH, verbose=0)  # a short last batch
             assert int(model.optimizer.iterations.numpy()) == steps * epochs
             stats_after_eval = table.stats()
         finally:
@@ -202,7 +204,7 @@ def test_fit_equals_the_custom_loop_reference(case: str) -> None:
                             np.concatenate([y] * epochs), steps * epochs)
     want = ref.stats()
     assert stats == {k: want[k] for k in stats}, (stats, want)
-    assert stats_after_eval == stats  # evaluate reads rows, changes nothing
+    assert stats_after_eval == stats  # evaluate and predict read rows, change nothing
     if c["layer"].get("min_count", 1) > 1 or c["layer"].get("admit_probability", 1.0) < 1.0:
         assert stats["admissions_refused"] > 0, stats
     if c["layer"].get("capacity"):
@@ -214,6 +216,8 @@ def test_fit_equals_the_custom_loop_reference(case: str) -> None:
     emb = ref.lookup(keys).astype(np.float64).reshape(len(y), WIDTH * DIM)
     want_loss = float(np.mean((emb @ dense.w[0] + dense.w[1] - y) ** 2))
     np.testing.assert_allclose(evaluated["loss"], want_loss, rtol=2e-4)
+    assert predicted.shape == (BATCH + 3, 1)
+    np.testing.assert_allclose(predicted, (emb @ dense.w[0] + dense.w[1])[:BATCH + 3], rtol=2e-4, atol=2e-5)
 
 
 def _raises(exc: type[BaseException], fn: Callable[[], Any], *texts: str) -> None:
@@ -225,7 +229,7 @@ def _raises(exc: type[BaseException], fn: Callable[[], Any], *texts: str) -> Non
 
 def test_refusals_name_what_to_use_instead() -> None:
     """Outside ParameterServerStrategy (no scope, a synchronous strategy), optimizers a dynamic table cannot apply,
-    Keras's save, predict, and a layer not fed by a model input: each a clear error, nothing trained."""
+    Keras's save, predict's callbacks, and a layer not fed by a model input: each a clear error, nothing trained."""
     keys = _keys("int64", 16, seed=0)
     y = np.zeros((16, 1), np.float32)
     data = jaxdist.keras.DatasetCreator(Batches(keys, y))
@@ -264,7 +268,8 @@ def test_refusals_name_what_to_use_instead() -> None:
             _raises(ConfigurationError, lambda: fed_by_a_layer.fit(np.zeros((8, WIDTH), np.float32),
                                                                    np.zeros((8, WIDTH, 4), np.float32), verbose=0),
                     "directly on a model input")
-            _raises(NotImplementedError, lambda: model.predict(keys, verbose=0), "evaluate")
+            _raises(ValueError, lambda: model.predict(keys, verbose=0, callbacks=[keras.callbacks.History()]),
+                    "callbacks")
             _raises(ConfigurationError, lambda: model.save_weights(os.devnull + ".weights.h5"), "jaxdist.Checkpoint")
             _raises(ConfigurationError, lambda: model(keys[:2]), "outside jaxdist's fit")
         finally:
