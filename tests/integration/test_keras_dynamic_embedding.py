@@ -272,6 +272,12 @@ def test_refusals_name_what_to_use_instead() -> None:
                     "callbacks")
             _raises(ConfigurationError, lambda: model.save_weights(os.devnull + ".weights.h5"), "jaxdist.Checkpoint")
             _raises(ConfigurationError, lambda: model(keys[:2]), "outside jaxdist's fit")
+
+            def custom_loop_step() -> Any:
+                return model(keys[:2])
+
+            _raises(ConfigurationError, lambda: strategy.coordinator.schedule(custom_loop_step).fetch(),
+                    "jaxdist.DynamicEmbedding (lookup, apply_gradients)")
         finally:
             _close(strategy)
 
