@@ -172,6 +172,17 @@ def _refuse_coordinator_only_restores(callbacks: Any) -> None:
                 "servers' variables and optimizer state: use jaxdist.keras.BackupAndRestore (same arguments)")
 
 
+def _refuse_keras_saves(callbacks: Any) -> None:
+    """Before any step: a Keras ModelCheckpoint would fail at its first save (DynamicEmbedding's table has no Keras
+    weights to write), after training an epoch."""
+    for cb in callbacks or ():
+        if isinstance(cb, keras.callbacks.ModelCheckpoint):
+            raise ConfigurationError(
+                f"{type(cb).__name__} saves Keras weights, and this model's jaxdist.keras.layers.DynamicEmbedding "
+                "tables live on the parameter servers, not in them: back up with jaxdist.keras.BackupAndRestore (or "
+                "jaxdist.Checkpoint(strategy)), which save and restore the tables with the model's variables")
+
+
 def _is_arrays(x: Any) -> bool:
     leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
     return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "__array__") for a in leaves)
@@ -356,6 +367,8 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     if first_batch is None:
         first_batch = next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1))))
     pm = _build(model, first_batch)
+    if pm.dynamic:
+        _refuse_keras_saves(callbacks)
     spec = pm.spec()
     spe = _steps_per_execution(model)
     fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}

@@ -264,6 +264,13 @@ def test_refusals_name_what_to_use_instead() -> None:
                 fed_by_a_layer.compile(keras.optimizers.SGD(0.1), "mse")
             model.fit(data, steps_per_epoch=2, verbose=0)
             assert set(strategy.dynamic_tables) == {"items"}
+            on_ps = jaxdist.keras.ps_model.ps_model(model)
+            assert on_ps is not None and on_ps.steps_applied() == 2
+            for saver in (keras.callbacks.ModelCheckpoint(os.devnull + ".keras"),
+                          jaxdist.keras.ModelCheckpoint(os.devnull + ".weights.h5", save_weights_only=True)):
+                _raises(ConfigurationError, lambda: model.fit(data, steps_per_epoch=1, verbose=0, callbacks=[saver]),
+                        "jaxdist.keras.BackupAndRestore")
+            assert on_ps.steps_applied() == 2  # the PS step counter: refused before any step
             _raises(ConfigurationError, lambda: clash.fit(data, steps_per_epoch=1, verbose=0), "table_name")
             _raises(ConfigurationError, lambda: fed_by_a_layer.fit(np.zeros((8, WIDTH), np.float32),
                                                                    np.zeros((8, WIDTH, 4), np.float32), verbose=0),
