@@ -182,15 +182,18 @@ class PSModel:
         from jaxdist.dynamic_embedding import DynamicEmbedding as Table
 
         rule, lr, options = dynamic_row_rule(self.optimizer, self.lazy)
-        out = []
-        for layer, input_index in layers:
-            cfg = layer.table_config(rule, lr, **options)
+        configs = [layer.table_config(rule, lr, **options) for layer, _ in layers]
+        names = [cfg.name for cfg in configs]
+        # Every check before any table is made (a refused model leaves no table behind).
+        for (layer, _), cfg in zip(layers, configs):
             if layer.ps_strategy is not strategy:
                 raise ConfigurationError(f"DynamicEmbedding {layer.name!r} was made in another strategy's scope")
-            if cfg.name in strategy.dynamic_tables:
+            if cfg.name in strategy.dynamic_tables or names.count(cfg.name) > 1:
                 raise ConfigurationError(
-                    f"DynamicEmbedding {layer.name!r}: this strategy has a dynamic table {cfg.name!r} already (another "
-                    "model's layer of that name?): give the layer its own table_name")
+                    f"DynamicEmbedding {layer.name!r}: this strategy has another dynamic table named {cfg.name!r} "
+                    "(another layer of that name, in this model or another?): give each layer its own table_name")
+        out = []
+        for (layer, input_index), cfg in zip(layers, configs):
             with strategy.scope():
                 table = Table(
                     cfg.row_shape, name=cfg.name, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,

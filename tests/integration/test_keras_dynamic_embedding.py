@@ -272,6 +272,15 @@ def test_refusals_name_what_to_use_instead() -> None:
                         "jaxdist.keras.BackupAndRestore")
             assert on_ps.steps_applied() == 2  # the PS step counter: refused before any step
             _raises(ConfigurationError, lambda: clash.fit(data, steps_per_epoch=1, verbose=0), "table_name")
+            with strategy.scope():
+                a_in, b_in = keras.Input((WIDTH,), dtype="int64"), keras.Input((WIDTH,), dtype="int64")
+                twice = keras.Model([a_in, b_in], keras.layers.Concatenate()([
+                    jaxdist.keras.layers.DynamicEmbedding(2, table_name="shared")(a_in),
+                    jaxdist.keras.layers.DynamicEmbedding(2, table_name="shared")(b_in)]))
+                twice.compile(keras.optimizers.SGD(0.1), "mse")
+            _raises(ConfigurationError, lambda: twice.fit([keys, keys], np.zeros((16, WIDTH, 4), np.float32),
+                                                          verbose=0), "'shared'")
+            assert set(strategy.dynamic_tables) == {"items"}  # neither of the two was made
             _raises(ConfigurationError, lambda: fed_by_a_layer.fit(np.zeros((8, WIDTH), np.float32),
                                                                    np.zeros((8, WIDTH, 4), np.float32), verbose=0),
                     "directly on a model input")
