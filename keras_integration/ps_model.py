@@ -355,6 +355,9 @@ def lazy_embeddings(model: Any, lazy: bool = True) -> Any:
       optimizers with state (momentum, Adam, RMSprop, ...) or weight decay;
       for ``SGD`` without momentum and ``Adagrad`` both modes are the same.
 
+    A model with :class:`jaxdist.keras.layers.DynamicEmbedding` layers compiled with ``Adam`` needs the lazy
+    mode: a dynamic table holds no state for the keys a step does not look up.
+
     Call it after building ``model`` in the strategy's scope, before its
     first ``fit``/``evaluate`` (the PS variables are made then). Dense
     variables (and tables that stay dense: ``mask_zero``, shared layers, ...)
