@@ -612,6 +612,18 @@ class DynamicTableShard:
             return np.asarray(changed, dtype=np.int64), rows, np.asarray(evicted, dtype=np.int64)
         return changed, rows, evicted
 
+    def rows_of(self, keys: set[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, rows)`` of the keys of ``keys`` that have a row now (None: every row), copies,
+        keys ascending: int64, or a numpy unicode array for string keys (what an export for serving
+        writes; no pickle needed to read it back)."""
+        with self._lock:
+            ks = sorted(self._slot if keys is None else (k for k in keys if k in self._slot))
+            sl = np.fromiter((self._slot[k] for k in ks), dtype=np.int64, count=len(ks))
+            rows = self._values[sl].copy()
+        if self.config.key_dtype == "int64":
+            return np.asarray(ks, dtype=np.int64), rows
+        return (np.asarray(ks, dtype=str) if ks else np.zeros(0, dtype="<U1")), rows
+
     def stats(self) -> dict[str, int]:
         """Rows, bytes and the cumulative counters (for /metrics and ``jaxdist status``)."""
         with self._lock:

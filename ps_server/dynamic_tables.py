@@ -13,6 +13,14 @@ Contract:
 - **Pushes** are applied at most once per update id, through the store's dedupe table
   (:meth:`~jaxdist.ps_server.store.VariableStore.apply_once`): a re-run closure's or a retried push is
   a duplicate, exactly like a variable push (the servicer puts it behind the same run fence).
+- **Exports for serving.** Every shard takes part in the export cuts of the store's
+  :class:`~jaxdist.ps_server.export_rows.ChangeTracker` (:meth:`DynamicTables.participants`): a full
+  export writes its keys and rows, a delta the rows of the keys inserted or pushed since the base
+  cut and the keys evicted since, read from the shard's own log
+  (:meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.changes_since`) at the cut, under the
+  table's apply lock, so a push is in exactly one export and the push path pays nothing for it. A
+  shard created, restored or installed (a backup's full sync) since the base, or whose eviction log
+  no longer reaches back to it, is changed *as a whole*: the exporter writes a full export.
 - **Hostile input** (malformed keys, keys of the wrong type, rows of the wrong shape or dtype, an
   unknown table, a push that would pass the shard's memory bound) raises a typed error (gRPC status
   ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED``) before anything changes; the push's id
@@ -42,9 +50,10 @@ from jaxdist.base.errors import (
 from jaxdist.proto import codec, ps_pb2
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
+from jaxdist.ps_server.export_rows import ALL, KeyDelta, KeySegments
 from jaxdist.ps_server.store import VariableStore
 
-__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
+__all__ = ["STAT_NAMES", "DynamicTables", "ShardChanges", "ShardParticipant", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +96,59 @@ def decode_keys(msg: ps_pb2.DynamicKeys, max_bytes: int) -> np.ndarray | list[st
     return codec.tensor_from_proto(msg.ids, max_bytes)
 
 
+class ShardChanges:
+    """A dynamic shard's change record per export segment (a
+    :class:`~jaxdist.ps_server.export_rows.KeySegments`): each kept segment is the shard's
+    :attr:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.step` when it began, or
+    :data:`~jaxdist.ps_server.export_rows.ALL` (the shard is new relative to that cut). The changes
+    are read from the shard when a cut asks (:meth:`union`), not marked push by push.
+
+    Called with the table's apply lock held (no push between reading a step and the rows).
+    """
+
+    __slots__ = ("segments", "shard")
+
+    def __init__(self, shard: DynamicTableShard, segments: int) -> None:
+        self.shard = shard
+        self.segments: list[Any] = [ALL] * segments
+
+    def union(self, start: int) -> Any:
+        """The changes since the start of segment ``start``: ALL or a KeyDelta (updated keys, and the
+        keys evicted with no row now). ALL too when the shard's eviction log no longer reaches back."""
+        segs = self.segments[start:]
+        if not segs or any(s is ALL for s in segs):
+            return ALL
+        try:
+            changed, _, evicted = self.shard.changes_since(int(segs[0]))
+        except ConfigurationError:
+            return ALL
+        return KeyDelta(set(_key_list(changed)), set(_key_list(evicted)))
+
+    def compact(self, start: int | None) -> None:
+        head = [] if start is None else [ALL if any(s is ALL for s in self.segments[start:]) else self.segments[start]]
+        self.segments = head + [self.shard.step]
+
+    def mark_all(self) -> None:
+        self.segments[-1] = ALL
+
+
+def _key_list(keys: np.ndarray | list[str]) -> list[Any]:
+    return keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
+
+
+class ShardParticipant:
+    """One shard of a table as a :class:`~jaxdist.ps_server.export_rows.CutParticipant`: its name,
+    its :class:`ShardChanges`, the table's apply lock (what its pushes hold), its rows."""
+
+    def __init__(self, shard: DynamicTableShard, lock: threading.Lock, segments: int) -> None:
+        self.name = shard.config.name
+        self.shard = shard
+        self.lock = lock
+        self.changes: KeySegments = ShardChanges(shard, segments)
+
+    def gather(self, keys: set[Any] | None) -> tuple[np.ndarray, np.ndarray]:
+        return self.shard.rows_of(keys)
+
 class DynamicTables:
     """The dynamic table shards of one PS task, by table name. Thread-safe."""
 
@@ -94,6 +156,8 @@ class DynamicTables:
         self.store = store
         self._lock = threading.Lock()  # membership; taken before any table's apply lock
         self._tables: dict[str, DynamicTableShard] = {}
+        # Per table: its shard as an export-cut participant (a new one whenever the shard is replaced).
+        self._participants: dict[str, ShardParticipant] = {}
         # Per table: held while a push is applied and forwarded, so a backup gets the pushes in the
         # order they were applied here (and a full sync sees none half done).
         self._apply_locks: dict[str, threading.Lock] = {}
@@ -113,8 +177,8 @@ class DynamicTables:
                 raise VariableExistsError(
                     f"dynamic table {config.name!r} exists here with another config or placement "
                     f"(shard {old.shard} of {old.num_shards})")
-            self._tables[config.name] = DynamicTableShard(config, shard, num_shards)
-            lock = self._apply_locks.setdefault(config.name, threading.Lock())
+            self._place(DynamicTableShard(config, shard, num_shards))
+            lock = self._apply_locks[config.name]
             lock.acquire()
         try:
             logger.info("dynamic table %r: shard %d of %d created", config.name, shard, num_shards)
@@ -214,9 +278,9 @@ class DynamicTables:
                 raise InvalidRequestError(f"malformed dynamic table install {config.name!r}: {e}") from e
         with self._lock:
             if replace_all:
-                self._tables = {}
+                self._tables, self._participants = {}, {}
             for t in shards:
-                self._tables[t.config.name] = t
+                self._place(t)
 
     def save_arrays(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """Every shard's whole state as checkpoint arrays (``dyn/<table>/<field>``), and the table names."""
@@ -257,7 +321,20 @@ class DynamicTables:
         """Replace (or add) these tables' shards: a restore."""
         with self._lock:
             for t in shards:
-                self._tables[t.config.name] = t
+                self._place(t)
+
+    def _place(self, shard: DynamicTableShard) -> None:
+        """(Under ``_lock``.) Hold ``shard`` as its table's shard; for exports it is wholly new."""
+        name = shard.config.name
+        self._tables[name] = shard
+        lock = self._apply_locks.setdefault(name, threading.Lock())
+        self._participants[name] = ShardParticipant(shard, lock, self.store.changes.segment_count())
+
+    def participants(self) -> list[ShardParticipant]:
+        """Every shard held here, by table name, as export-cut participants
+        (:func:`~jaxdist.ps_server.save_restore.export`)."""
+        with self._lock:
+            return [self._participants[n] for n in sorted(self._participants)]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each table's :meth:`DynamicTableShard.stats`."""
