@@ -18,7 +18,7 @@ import pytest
 
 import jaxdist
 from jaxdist import serving_export as se
-from jaxdist.testing import InProcessCluster
+from jaxdist.testing import InProcessCluster, poll_for
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -241,4 +241,42 @@ def test_hostile_or_truncated_table_files_raise_typed_errors_and_change_nothing(
         se.apply_delta(state, d2.path)  # the real one still applies
         for n in ("t", "u"):
             _assert_rows(state.tables[n], _truth(cluster, n, 1))
+        s.close()
+
+
+def test_a_failover_between_exports_forces_a_full_export_of_the_tables(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The promoted backup's tables hold every acknowledged push, but its change tracking began at its
+    full sync: the next export is full, and the deltas after it follow the new primary."""
+    with InProcessCluster(num_workers=1, num_ps=1, ps_backups=True) as cluster:
+        s = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        replicas = s.replicas
+        assert replicas is not None
+        with s.scope():
+            t = jaxdist.DynamicEmbedding(DIM, name="t", capacity=20, key_dtype="string")
+        rng = np.random.default_rng(5)
+
+        def state_matches(state: se.ExportState) -> None:
+            keys = state.tables["t"].keys
+            assert len(keys) == t.stats()["rows"] > 0
+            np.testing.assert_array_equal(t.lookup(np.asarray(keys.tolist(), dtype=object)), state.tables["t"].values)
+
+        with jaxdist.ClusterCoordinator(s) as coord:
+            poll_for(lambda: replicas.status(0)[1], 30, what="the backup attached")
+            d = str(tmp_path / "exports")
+            ex = se.IncrementalExporter(s, d)
+            ex.export()
+            _push(t, rng, 3, True)
+            assert ex.export().kind == "delta"
+            _push(t, rng, 3, True)
+            cluster.stop_task("ps:0")
+            ks = _keys(rng, 8, True)
+            coord.schedule(lambda: t.apply_gradients(ks, np.ones((8, DIM), np.float32)) and None)
+            poll_for(lambda: replicas.failovers == 1, 30, what="the failover")
+            coord.join()
+            info = ex.export()
+            assert info.kind == "full" and info.reason.startswith("ps:0 cannot answer a delta"), info
+            state_matches(se.load_latest(d))
+            _push(t, rng, 3, True)
+            assert ex.export().kind == "delta"  # the new primary's chain goes on
+            state_matches(se.load_latest(d))
         s.close()
