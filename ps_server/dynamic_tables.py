@@ -48,6 +48,7 @@ from jaxdist.base.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto import codec, ps_pb2
+from jaxdist.proto.ps_wire import out_of_band
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
 from jaxdist.ps_server.export_rows import ALL, KeyDelta, KeySegments
@@ -161,10 +162,10 @@ class DynamicTables:
         # Per table: held while a push is applied and forwarded, so a backup gets the pushes in the
         # order they were applied here (and a full sync sees none half done).
         self._apply_locks: dict[str, threading.Lock] = {}
-        #: Sends one replication message (its dynamic fields set) to the backup, if any: set by the
-        #: servicer (Replication.forward_dynamic). Raises NotPrimaryError when this task must not
-        #: acknowledge the change.
-        self.forward: Callable[[ps_pb2.ReplicaHeader], None] | None = None
+        #: Sends one replication message (its dynamic fields set) and its payload arrays to the
+        #: backup, if any: set by the servicer (Replication.forward_dynamic). Raises NotPrimaryError
+        #: when this task must not acknowledge the change.
+        self.forward: Callable[[ps_pb2.ReplicaHeader, list[np.ndarray]], None] | None = None
 
     def create(self, config: DynamicTableConfig, shard: int, num_shards: int) -> bool:
         """Create this task's shard of a table; False if it existed identically (kept as it is).
@@ -186,7 +187,7 @@ class DynamicTables:
                 header = ps_pb2.ReplicaHeader()
                 header.dynamic_create.CopyFrom(ps_pb2.CreateDynamicTableRequest(
                     config_json=json.dumps(config.to_json()), shard=shard, num_shards=num_shards))
-                self.forward(header)
+                self.forward(header, [])
         finally:
             lock.release()
         return True
@@ -228,7 +229,7 @@ class DynamicTables:
                     encode_keys(keys, header.dynamic_push.keys)
                     codec.tensor_to_proto(grads, header.dynamic_push.grads)
                 try:
-                    self.forward(header)
+                    self.forward(header, [])
                 except JaxdistError as e:
                     return counts, e
                 return counts, None
@@ -246,14 +247,15 @@ class DynamicTables:
             return self._apply_locks.setdefault(name, threading.Lock())
 
     @contextlib.contextmanager
-    def frozen(self) -> Iterator[list[ps_pb2.DynamicInstall]]:
-        """Every shard as it is, with no push or create applied until the block ends (a full sync)."""
+    def frozen(self, payload: list[np.ndarray]) -> Iterator[list[ps_pb2.DynamicInstall]]:
+        """Every shard as it is, with no push or create applied until the block ends (a full sync);
+        the shards' arrays are appended to ``payload`` (sent after the header: see :func:`install_message`)."""
         with self._lock:
             names = sorted(self._tables)
             with contextlib.ExitStack() as stack:
                 for n in names:
                     stack.enter_context(self._apply_locks.setdefault(n, threading.Lock()))
-                yield [install_message(self._tables[n]) for n in names]
+                yield [install_message(self._tables[n], payload) for n in names]
 
     def forward_installs(self, names: Sequence[str]) -> None:
         """Send the whole shards ``names`` to the backup (after a restore), each under its apply lock:
@@ -262,20 +264,34 @@ class DynamicTables:
             with self._apply_lock(n):
                 if self.forward is not None:
                     header = ps_pb2.ReplicaHeader()
-                    header.dynamic_installs.append(install_message(self.get(n)))
-                    self.forward(header)
+                    payload: list[np.ndarray] = []
+                    header.dynamic_installs.append(install_message(self.get(n), payload))
+                    self.forward(header, payload)
 
-    def accept_installs(self, installs: Sequence[ps_pb2.DynamicInstall], replace_all: bool) -> None:
-        """Install exact copies of the primary's shards (a backup); ``replace_all``: drop the others."""
+    def accept_installs(self, installs: Sequence[ps_pb2.DynamicInstall], replace_all: bool,
+                        payload: Sequence[np.ndarray] = ()) -> None:
+        """Install exact copies of the primary's shards (a backup); ``replace_all``: drop the others.
+        ``payload``: the arrays sent out of band (:func:`install_message`), in order; all of them used."""
         shards = []
+        rest = iter(payload)
         for m in installs:
             config = config_from_json(m.config_json)
-            arrays = {a.name: codec.tensor_from_proto(a.tensor) for a in m.arrays}
+            arrays = {}
+            for a in m.arrays:
+                if out_of_band(a.tensor) is None:
+                    arrays[a.name] = codec.tensor_from_proto(a.tensor)
+                else:
+                    arr = next(rest, None)
+                    if arr is None:
+                        raise InvalidRequestError(f"dynamic table install {config.name!r}: its payload is short")
+                    arrays[a.name] = arr
             try:
                 export = unpack_export(config, arrays.__getitem__)
                 shards.append(DynamicTableShard.copy_of(config, export, m.shard, m.num_shards))
             except (KeyError, ValueError, TypeError, IndexError) as e:
                 raise InvalidRequestError(f"malformed dynamic table install {config.name!r}: {e}") from e
+        if next(rest, None) is not None:
+            raise InvalidRequestError("dynamic table installs: more payload arrays than their specs")
         with self._lock:
             if replace_all:
                 self._tables, self._participants = {}, {}
@@ -392,12 +408,25 @@ def unpack_export(config: DynamicTableConfig, read: Callable[[str], np.ndarray])
     return out
 
 
-def install_message(table: DynamicTableShard) -> ps_pb2.DynamicInstall:
-    """A whole shard as one inline replication message (its export, packed as in a checkpoint)."""
+def install_message(table: DynamicTableShard, payload: list[np.ndarray] | None = None) -> ps_pb2.DynamicInstall:
+    """A whole shard as a replication message (its export, packed as in a checkpoint).
+
+    Without ``payload`` every array is inline (one protobuf message, bounded by gRPC's message
+    size). With it, each non-empty array travels *out of band*: its entry carries only its spec
+    and the array is appended to ``payload``, sent after the header in frames of
+    :data:`~jaxdist.proto.codec.CHUNK_BYTES` like a variable's value (see
+    :func:`~jaxdist.proto.ps_wire.out_of_band`), so a shard of any size fits the message limit.
+    """
     m = ps_pb2.DynamicInstall(config_json=json.dumps(table.config.to_json()), shard=table.shard,
                               num_shards=table.num_shards)
     for name, arr in pack_export(table.config.name, table.export()).items():
-        codec.tensor_to_proto(arr, m.arrays.add(name=name).tensor)
+        t = m.arrays.add(name=name).tensor
+        if payload is None or arr.nbytes == 0:
+            codec.tensor_to_proto(arr, t)
+        else:
+            arr = codec.as_wire_array(arr)
+            codec.spec_to_proto(arr.shape, arr.dtype, t.spec)
+            payload.append(arr)
     return m
 
 
