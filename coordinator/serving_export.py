@@ -34,8 +34,9 @@ the variables or their sharding changed since the previous export. An export tha
 nothing, and the next one is again relative to the last published export.
 
 The files: per variable and shard, ``value/<shard>`` (whole) or ``ids/<shard>`` (int64 global row
-numbers, ascending) with ``rows/<shard>`` (the rows); per keyed table and shard ``keys/<table>``,
-``rows/<table>`` and, in a delta, ``evicted/<table>``. The manifest maps every variable to its
+numbers, ascending) with ``rows/<shard>`` (the rows); per keyed (dynamic) table and shard
+``keys/<table>`` (int64 or numpy unicode), ``rows/<table>`` and, in a delta, ``evicted/<table>``. A
+dynamic table created, restored or replaced since the previous export makes the next one full. The manifest maps every variable to its
 shards (file, array keys, first row) so a reader needs no naming rule.
 """
 
@@ -468,7 +469,8 @@ class IncrementalExporter:
     """Writes full and delta exports of a ``ParameterServerStrategy``'s variables into ``directory``.
 
     Args:
-        strategy: the strategy whose variables (all of them) are exported.
+        strategy: the strategy whose variables (all of them) are exported, with every dynamic
+            table its PS tasks hold (:class:`~jaxdist.DynamicEmbedding`: keys, rows, evicted keys).
         directory: where the exports go (made if missing; every PS task must be able to write
             there, as for checkpoints). Exports already there are continued: the next export is a
             delta relative to the newest one when every PS can still answer it.
