@@ -612,24 +612,6 @@ class DynamicTableShard:
             return np.asarray(changed, dtype=np.int64), rows, np.asarray(evicted, dtype=np.int64)
         return changed, rows, evicted
 
-    def rows_of(self, keys: set[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys, rows)`` of the keys of ``keys`` that have a row now (None: every row), copies,
-        keys ascending: int64, or a numpy unicode array for string keys (what an export for serving
-        writes; no pickle needed to read it back)."""
-        with self._lock:
-            if keys is None:  # a dict's keys and values iterate in the same order
-                ks: list[Any] = list(self._slot)
-                sl = np.fromiter(self._slot.values(), dtype=np.int64, count=len(ks))
-            else:
-                ks = [k for k in keys if k in self._slot]
-                sl = np.fromiter((self._slot[k] for k in ks), dtype=np.int64, count=len(ks))
-            if self.config.key_dtype == "int64":
-                karr = np.fromiter(ks, dtype=np.int64, count=len(ks))
-            else:
-                karr = np.asarray(ks, dtype=str) if ks else np.zeros(0, dtype="<U1")
-            order = np.argsort(karr, kind="stable")
-            return karr[order], self._values[sl[order]]  # one gather: a copy
-
     def stats(self) -> dict[str, int]:
         """Rows, bytes and the cumulative counters (for /metrics and ``jaxdist status``)."""
         with self._lock:

@@ -51,7 +51,7 @@ from jaxdist.proto import codec, ps_pb2
 from jaxdist.proto.ps_wire import out_of_band
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
-from jaxdist.ps_server.export_rows import ALL, KeyDelta, KeySegments
+from jaxdist.ps_server.export_rows import ALL, KeyDelta
 from jaxdist.ps_server.store import VariableStore
 
 __all__ = ["STAT_NAMES", "DynamicTables", "ShardChanges", "ShardParticipant", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
@@ -102,28 +102,34 @@ class ShardChanges:
     :class:`~jaxdist.ps_server.export_rows.KeySegments`): each kept segment is the shard's
     :attr:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.step` when it began, or
     :data:`~jaxdist.ps_server.export_rows.ALL` (the shard is new relative to that cut). The changes
-    are read from the shard when a cut asks (:meth:`union`), not marked push by push.
+    are read from the shard when a cut asks (:meth:`union`, through the shard's public
+    :meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.changes_since`), not marked push by push.
 
     Called with the table's apply lock held (no push between reading a step and the rows).
     """
 
-    __slots__ = ("segments", "shard")
+    __slots__ = ("rows", "segments", "shard")
 
     def __init__(self, shard: DynamicTableShard, segments: int) -> None:
         self.shard = shard
         self.segments: list[Any] = [ALL] * segments
+        #: The changed keys and their rows the last :meth:`union` read (what the cut gathers next).
+        self.rows: tuple[list[Any], np.ndarray] | None = None
 
     def union(self, start: int) -> Any:
         """The changes since the start of segment ``start``: ALL or a KeyDelta (updated keys, and the
         keys evicted with no row now). ALL too when the shard's eviction log no longer reaches back."""
+        self.rows = None
         segs = self.segments[start:]
         if not segs or any(s is ALL for s in segs):
             return ALL
         try:
-            changed, _, evicted = self.shard.changes_since(int(segs[0]))
+            changed, values, evicted = self.shard.changes_since(int(segs[0]))
         except ConfigurationError:
             return ALL
-        return KeyDelta(set(_key_list(changed)), set(_key_list(evicted)))
+        keys = _key_list(changed)
+        self.rows = (keys, values)
+        return KeyDelta(set(keys), set(_key_list(evicted)))
 
     def compact(self, start: int | None) -> None:
         head = [] if start is None else [ALL if any(s is ALL for s in self.segments[start:]) else self.segments[start]]
@@ -145,10 +151,29 @@ class ShardParticipant:
         self.name = shard.config.name
         self.shard = shard
         self.lock = lock
-        self.changes: KeySegments = ShardChanges(shard, segments)
+        self.changes: ShardChanges = ShardChanges(shard, segments)
 
     def gather(self, keys: set[Any] | None) -> tuple[np.ndarray, np.ndarray]:
-        return self.shard.rows_of(keys)
+        """``(keys, rows)``, keys ascending (int64, or numpy unicode strings: no pickle to read them):
+        every row (None), else the rows of ``keys`` that exist: those the cut's :meth:`ShardChanges.union`
+        just read (under the same lock), or, for any other set, the rows of the shard's export."""
+        cached = self.changes.rows
+        self.changes.rows = None
+        if keys is not None and cached is not None and len(cached[0]) == len(keys) and keys.issuperset(cached[0]):
+            ks, values = cached[0], np.asarray(cached[1])
+        else:
+            e = self.shard.export()
+            ks, values = _key_list(e["keys"]), e["values"]
+            if keys is not None:
+                at = [i for i, k in enumerate(ks) if k in keys]
+                ks, values = [ks[i] for i in at], values[np.asarray(at, dtype=np.int64)]
+        if self.shard.config.key_dtype == "int64":
+            karr = np.asarray(ks, dtype=np.int64)
+        else:
+            karr = np.asarray(ks, dtype=str) if ks else np.zeros(0, dtype="<U1")
+        order = np.argsort(karr, kind="stable")
+        return karr[order], values[order]
+
 
 class DynamicTables:
     """The dynamic table shards of one PS task, by table name. Thread-safe."""

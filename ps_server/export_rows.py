@@ -214,8 +214,12 @@ class CutParticipant(Protocol):
     """
 
     name: str
-    changes: KeySegments
     lock: Any  # a context manager: the lock the table's pushes hold
+
+    @property
+    def changes(self) -> KeySegments:
+        """The table's change record (read by the cut; an attribute in an implementation)."""
+        ...
 
     def gather(self, keys: set[Any] | None) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)`` of the rows present among ``keys`` (None: every row), copies; called

@@ -40,8 +40,10 @@ def _push(table: jaxdist.DynamicEmbedding, rng: np.random.Generator, batches: in
 
 def _truth(cluster: InProcessCluster, name: str, num_ps: int) -> tuple[np.ndarray, np.ndarray]:
     """The table's rows on the PS tasks, keys ascending."""
-    parts = [cluster.ps(i).servicer.dynamic.get(name).rows_of(None) for i in range(num_ps)]
+    parts = [(e["keys"], e["values"]) for e in (cluster.ps(i).servicer.dynamic.get(name).export() for i in range(num_ps))]
     keys = np.concatenate([k for k, _ in parts])
+    if keys.dtype == object:
+        keys = np.asarray(keys.tolist(), dtype=str)
     order = np.argsort(keys, kind="stable")
     return keys[order], np.concatenate([v for _, v in parts])[order]
 
