@@ -474,8 +474,9 @@ class PSClient(ServiceClient):
         timeout: float | None = None,
     ) -> ps_pb2.PushResponse:
         """:meth:`push` from worker ``contributor``'s closure: on a PS running synchronous steps its
-        gradients are staged for its step (``staged`` in the answer) and, with ``commit``, the step
-        is committed in the same call. ``step`` (-1: unknown): the step its pull reported; the PS
+        gradients are staged for its step and, with ``commit``, the step
+        is committed in the same call; ``staged`` in the answer: the contribution waits for its
+        member's commit (also when the push was a duplicate of a staged, uncommitted one). ``step`` (-1: unknown): the step its pull reported; the PS
         refuses the push (:class:`StepMembershipError`) when the worker is no longer at it."""
         header, arrays = ps_wire.encode_push(updates, update_id, contributor=contributor, commit=commit, step=step)
         return self._send(header, arrays, timeout)

@@ -200,10 +200,11 @@ class ParameterServerServicer:
         if header.contributor > 0 and self.sync.enabled and any(u.op in ps_wire.GRADIENT_OPS for u in updates):
             # A worker's gradients in synchronous steps: staged for its step, applied as the step's mean.
             self.store.validate(updates)
-            dup, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit, header.step - 1)
+            dup, staged, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit,
+                                               header.step - 1)
             self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
             self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
-            return ps_pb2.PushResponse(duplicate=dup, staged=not dup, step=step)
+            return ps_pb2.PushResponse(duplicate=dup, staged=staged, step=step)
         versions, dup = self.store.apply(updates, header.update_id)
         self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
         self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
