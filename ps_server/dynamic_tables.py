@@ -51,10 +51,10 @@ from jaxdist.proto import codec, ps_pb2
 from jaxdist.proto.ps_wire import out_of_band
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
-from jaxdist.ps_server.export_rows import ALL, KeyDelta
+from jaxdist.ps_server.dynamic_export import ShardParticipant
 from jaxdist.ps_server.store import VariableStore
 
-__all__ = ["STAT_NAMES", "DynamicTables", "ShardChanges", "ShardParticipant", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
+__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,84 +95,6 @@ def decode_keys(msg: ps_pb2.DynamicKeys, max_bytes: int) -> np.ndarray | list[st
     if not msg.HasField("ids"):
         raise InvalidRequestError("dynamic keys carry no ids")
     return codec.tensor_from_proto(msg.ids, max_bytes)
-
-
-class ShardChanges:
-    """A dynamic shard's change record per export segment (a
-    :class:`~jaxdist.ps_server.export_rows.KeySegments`): each kept segment is the shard's
-    :attr:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.step` when it began, or
-    :data:`~jaxdist.ps_server.export_rows.ALL` (the shard is new relative to that cut). The changes
-    are read from the shard when a cut asks (:meth:`union`, through the shard's public
-    :meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.changes_since`), not marked push by push.
-
-    Called with the table's apply lock held (no push between reading a step and the rows).
-    """
-
-    __slots__ = ("rows", "segments", "shard")
-
-    def __init__(self, shard: DynamicTableShard, segments: int) -> None:
-        self.shard = shard
-        self.segments: list[Any] = [ALL] * segments
-        #: The changed keys and their rows the last :meth:`union` read (what the cut gathers next).
-        self.rows: tuple[list[Any], np.ndarray] | None = None
-
-    def union(self, start: int) -> Any:
-        """The changes since the start of segment ``start``: ALL or a KeyDelta (updated keys, and the
-        keys evicted with no row now). ALL too when the shard's eviction log no longer reaches back."""
-        self.rows = None
-        segs = self.segments[start:]
-        if not segs or any(s is ALL for s in segs):
-            return ALL
-        try:
-            changed, values, evicted = self.shard.changes_since(int(segs[0]))
-        except ConfigurationError:
-            return ALL
-        keys = _key_list(changed)
-        self.rows = (keys, values)
-        return KeyDelta(set(keys), set(_key_list(evicted)))
-
-    def compact(self, start: int | None) -> None:
-        head = [] if start is None else [ALL if any(s is ALL for s in self.segments[start:]) else self.segments[start]]
-        self.segments = head + [self.shard.step]
-
-    def mark_all(self) -> None:
-        self.segments[-1] = ALL
-
-
-def _key_list(keys: np.ndarray | list[str]) -> list[Any]:
-    return keys.tolist() if isinstance(keys, np.ndarray) else list(keys)
-
-
-class ShardParticipant:
-    """One shard of a table as a :class:`~jaxdist.ps_server.export_rows.CutParticipant`: its name,
-    its :class:`ShardChanges`, the table's apply lock (what its pushes hold), its rows."""
-
-    def __init__(self, shard: DynamicTableShard, lock: threading.Lock, segments: int) -> None:
-        self.name = shard.config.name
-        self.shard = shard
-        self.lock = lock
-        self.changes: ShardChanges = ShardChanges(shard, segments)
-
-    def gather(self, keys: set[Any] | None) -> tuple[np.ndarray, np.ndarray]:
-        """``(keys, rows)``, keys ascending (int64, or numpy unicode strings: no pickle to read them):
-        every row (None), else the rows of ``keys`` that exist: those the cut's :meth:`ShardChanges.union`
-        just read (under the same lock), or, for any other set, the rows of the shard's export."""
-        cached = self.changes.rows
-        self.changes.rows = None
-        if keys is not None and cached is not None and len(cached[0]) == len(keys) and keys.issuperset(cached[0]):
-            ks, values = cached[0], np.asarray(cached[1])
-        else:
-            e = self.shard.export()
-            ks, values = _key_list(e["keys"]), e["values"]
-            if keys is not None:
-                at = [i for i, k in enumerate(ks) if k in keys]
-                ks, values = [ks[i] for i in at], values[np.asarray(at, dtype=np.int64)]
-        if self.shard.config.key_dtype == "int64":
-            karr = np.asarray(ks, dtype=np.int64)
-        else:
-            karr = np.asarray(ks, dtype=str) if ks else np.zeros(0, dtype="<U1")
-        order = np.argsort(karr, kind="stable")
-        return karr[order], values[order]
 
 
 class DynamicTables:

@@ -188,7 +188,7 @@ class KeyChanges:
 class KeySegments(Protocol):
     """What a cut needs of a keyed table's change record: :class:`KeyChanges` (marked as the table
     changes), or a record that reads the changes from the table at the cut (a dynamic table's shard
-    logs its own: :class:`~jaxdist.ps_server.dynamic_tables.ShardChanges`). ``union`` gives None,
+    logs its own: :class:`~jaxdist.ps_server.dynamic_export.ShardChanges`). ``union`` gives None,
     :data:`ALL` or a :class:`KeyDelta`, like :meth:`KeyChanges.union`."""
 
     segments: list[Any]
