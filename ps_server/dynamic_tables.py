@@ -36,7 +36,7 @@ import json
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -52,7 +52,10 @@ from jaxdist.proto.ps_wire import out_of_band
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
 from jaxdist.ps_server.dynamic_export import ShardParticipant
-from jaxdist.ps_server.store import VariableStore
+
+if TYPE_CHECKING:
+    # A type only: the PS client imports this module (encode_keys), and a worker has no store (nor its optax).
+    from jaxdist.ps_server.store import VariableStore
 
 __all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
