@@ -74,12 +74,20 @@ _ADMIT_SALT = np.uint64(0x8CB92BA72F3D8DD7)
 
 
 def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic): a stable, well-mixed hash."""
+    """SplitMix64's finaliser on a uint64 array (wrapping arithmetic): a stable, well-mixed hash.
+
+    Computed in place on one copy (uint64 arithmetic wraps modulo 2**64 in numpy)."""
     with np.errstate(over="ignore"):
-        z = (x + _GOLDEN) & _MASK64
-        z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
-        z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
-        return z ^ (z >> np.uint64(31))
+        z = np.add(x, _GOLDEN, dtype=np.uint64)
+        t = np.right_shift(z, np.uint64(30))
+        z ^= t
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        np.right_shift(z, np.uint64(27), out=t)
+        z ^= t
+        z *= np.uint64(0x94D049BB133111EB)
+        np.right_shift(z, np.uint64(31), out=t)
+        z ^= t
+        return z
 
 
 def validate_keys(keys: Any, key_dtype: str) -> np.ndarray | list[str]:
@@ -132,7 +140,9 @@ def shard_of(hashes: np.ndarray, num_shards: int) -> np.ndarray:
 
 def _uniform(bits: np.ndarray) -> np.ndarray:
     """uint64 -> float64 in [0, 1) from the top 53 bits."""
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+    out = (bits >> np.uint64(11)).astype(np.float64)
+    out *= 1.0 / (1 << 53)
+    return out
 
 
 def initial_rows(config: DynamicTableConfig, hashes: np.ndarray) -> np.ndarray:
@@ -143,18 +153,28 @@ def initial_rows(config: DynamicTableConfig, hashes: np.ndarray) -> np.ndarray:
     """
     n = int(hashes.shape[0])
     size = int(np.prod(config.row_shape, dtype=np.int64))
-    base = _splitmix64(hashes ^ _splitmix64(np.asarray([config.seed], dtype=np.uint64)))
-    with np.errstate(over="ignore"):
-        counters = base[:, None] + np.arange(1, 2 * size + 1, dtype=np.uint64)[None, :] * _GOLDEN
-    u = _uniform(_splitmix64(counters))
     kind = config.initializer
     if kind == "zeros":
-        vals = np.zeros((n, size))
-    elif kind == "uniform":
-        vals = (u[:, :size] * 2.0 - 1.0) * config.init_scale
+        return np.zeros((n, *config.row_shape), dtype=config.dtype)
+    # Normal draws use 2 numbers per element (Box-Muller), uniform the first of them only.
+    width = 2 * size if kind == "normal" else size
+    base = _splitmix64(hashes ^ _splitmix64(np.asarray([config.seed], dtype=np.uint64)))
+    with np.errstate(over="ignore"):
+        counters = base[:, None] + np.arange(1, width + 1, dtype=np.uint64)[None, :] * _GOLDEN
+    u = _uniform(_splitmix64(counters))
+    if kind == "uniform":
+        vals = (u * 2.0 - 1.0) * config.init_scale
     elif kind == "normal":
-        u1 = 1.0 - u[:, :size]  # (0, 1]: log is finite
-        vals = np.sqrt(-2.0 * np.log(u1)) * np.cos(2.0 * np.pi * u[:, size:]) * config.init_scale
+        # sqrt(-2 log(1 - u1)) * cos(2 pi u2) * scale, evaluated in place in that order.
+        vals = np.subtract(1.0, u[:, :size])  # (0, 1]: log is finite
+        np.log(vals, out=vals)
+        vals *= -2.0
+        np.sqrt(vals, out=vals)
+        angle = u[:, size:]
+        angle *= 2.0 * np.pi
+        np.cos(angle, out=angle)
+        vals *= angle
+        vals *= config.init_scale
     else:  # pragma: no cover - DynamicTableConfig.__post_init__ refuses it
         raise ConfigurationError(f"unknown initializer {kind!r}")
     return vals.reshape((n, *config.row_shape)).astype(config.dtype)
@@ -865,7 +885,7 @@ class DynamicTableShard:
     def _update_rows(self, sl: np.ndarray, g: np.ndarray) -> None:
         opt = self.config.optimizer
         c = self._rows.cols
-        w = c["values"][sl].astype(np.float32)
+        w = c["values"][sl].astype(np.float32, copy=False)  # a gathered copy already
         lr = np.float32(opt.learning_rate)
         if opt.name == "sgd":
             w = w - lr * g
