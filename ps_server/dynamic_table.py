@@ -534,6 +534,15 @@ class _KeyedSlots:
         self.cols["tick"][slots] = np.arange(self._end, self._end + m)
         self._end += m
 
+    @property
+    def head(self) -> int:
+        """Where :meth:`oldest` starts reading the log (restore it to undo an :meth:`oldest`)."""
+        return self._lo
+
+    @head.setter
+    def head(self, at: int) -> None:
+        self._lo = at
+
     def _current(self, lo: int, hi: int) -> np.ndarray:
         seg = self._log[lo:hi]
         return self.cols["tick"][seg] == np.arange(lo, hi)
@@ -803,18 +812,32 @@ class DynamicTableShard:
         them; a key still waiting adds its sightings and becomes the most recent (a new one is
         appended and, past ``max_pending``, the least recent key is forgotten at once).
 
-        When no key can be forgotten (the common case) this is a few numpy passes; otherwise the
-        push's waiting keys are replayed one by one (:meth:`_update_pending_bounded`), since a key
-        forgotten early in a push and sighted later in it starts again from its new sightings."""
+        Vectorised: the number forgotten is the overshoot of the pending count's path over the push
+        (``max(0, max_t(count_t) - max_pending)``, each forgetting capping it); when the keys
+        forgotten are the least recent ones, untouched by this push (the usual case), that is all.
+        Otherwise (a key forgotten early in a push and sighted, or admitted, later in it) the push's
+        waiting keys are replayed one by one (:meth:`_update_pending_bounded`)."""
         pend = self._pending
         admitted = reach[waiting]
         still = ~admitted
-        new = still & (pend_slot < 0)
-        if pend.live + int(np.count_nonzero(new)) > self.config.admission.max_pending:
-            self._update_pending_bounded(uid, ustr, admitted, occ, waiting, pend_slot)
-            return
-        pend.release(pend_slot[admitted & (pend_slot >= 0)])
-        known = still & (pend_slot >= 0)
+        present = pend_slot >= 0
+        new = still & ~present
+        over = 0
+        if waiting.size:
+            path = np.cumsum(new.astype(np.int64) - (admitted & present))
+            over = max(0, pend.live + int(path.max()) - self.config.admission.max_pending)
+        victims = np.empty(0, dtype=np.int64)
+        if over:
+            head = pend.head
+            victims = pend.oldest(over)
+            touched = pend_slot[present]
+            ticks = pend.cols["tick"]
+            if victims.size < over or (touched.size and int(ticks[victims[-1]]) >= int(ticks[touched].min())):
+                pend.head = head  # nothing changed yet
+                self._update_pending_bounded(uid, ustr, admitted, occ, waiting, pend_slot)
+                return
+        pend.release(pend_slot[admitted & present])
+        known = still & present
         pend.cols["count"][pend_slot[known]] += occ[waiting[known]]
         if new.any():
             at = waiting[new]
@@ -823,6 +846,8 @@ class DynamicTableShard:
             pend_slot = pend_slot.copy()
             pend_slot[new] = got
         pend.touch(pend_slot[still])
+        pend.release(victims)
+        self.counters.pending_forgotten += over
 
     def _update_pending_bounded(
         self, uid: np.ndarray, ustr: np.ndarray | None, admitted: np.ndarray, occ: np.ndarray, waiting: np.ndarray,
