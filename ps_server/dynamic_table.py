@@ -438,14 +438,16 @@ class _KeyedSlots:
         self.index = _HashIndex(hash_of)
         self.hash_of = hash_of
         self._specs: dict[str, tuple[tuple[int, ...], Any]] = {
-            "ident": ((), np.int64), "tick": ((), np.int64), **columns}
+            "ident": ((), np.int64), "tick": ((), np.int32), **columns}
         if strings:
             self._specs["str"] = ((), object)
         self.cols: dict[str, np.ndarray] = {name: self._column(name, 16) for name in self._specs}
         self.hi = 0  # slots ever used: [0, hi) are allocated or free
         self._free = np.empty(0, dtype=np.int64)
         self._nfree = 0
-        self._log = np.empty(1024, dtype=np.int64)
+        # Ticks and the log are int32 (4 bytes per row each) until a slot number or a log position
+        # no longer fits; then both are widened to int64.
+        self._log = np.empty(1024, dtype=np.int32)
         self._lo = 0
         self._end = 0
 
@@ -481,6 +483,8 @@ class _KeyedSlots:
         if need <= cap:
             return
         new = max(need, 2 * cap)
+        if new > _INT32_SLOTS:
+            self._widen()
         for name, a in self.cols.items():
             b = self._column(name, new)
             b[: self.hi] = a[: self.hi]
@@ -547,13 +551,21 @@ class _KeyedSlots:
         seg = self._log[lo:hi]
         return self.cols["tick"][seg] == np.arange(lo, hi)
 
+    def _widen(self) -> None:
+        if self._log.dtype != np.int64:
+            self._specs["tick"] = ((), np.int64)
+            self.cols["tick"] = self.cols["tick"].astype(np.int64)
+            self._log = self._log.astype(np.int64)
+
     def _compact(self, extra: int) -> None:
         seg = self._log[self._lo: self._end]
         kept = seg[self._current(self._lo, self._end)]
         k = int(kept.shape[0])
         want = max(1024, (3 * (k + extra)) // 2)
+        if want > _INT32_SLOTS:
+            self._widen()
         if self._log.shape[0] < k + extra or self._log.shape[0] > 3 * want:
-            self._log = np.empty(want, dtype=np.int64)
+            self._log = np.empty(want, dtype=self._log.dtype)
         self._log[:k] = kept
         self.cols["tick"][kept] = np.arange(k)
         self._lo, self._end = 0, k
@@ -561,7 +573,7 @@ class _KeyedSlots:
     def order(self) -> np.ndarray:
         """Slots in use in recency order, least recent first."""
         seg = self._log[self._lo: self._end]
-        return seg[self._current(self._lo, self._end)].copy()
+        return seg[self._current(self._lo, self._end)].astype(np.int64)
 
     def oldest(self, count: int | None = None, below: tuple[str, int] | None = None) -> np.ndarray:
         """The least recent slots, in order: at most ``count`` of them, and (``below=(column,
@@ -592,7 +604,7 @@ class _KeyedSlots:
             self._lo = stop
             if stop < hi:
                 break
-        return np.concatenate(taken) if taken else np.empty(0, dtype=np.int64)
+        return np.concatenate(taken).astype(np.int64, copy=False) if taken else np.empty(0, dtype=np.int64)
 
 
 class DynamicTableShard:

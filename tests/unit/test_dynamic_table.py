@@ -431,3 +431,25 @@ def test_bounded_pending_keys_forget_the_oldest_first() -> None:
         assert dict(zip(exp["pending_keys"].tolist(), exp["pending_counts"].tolist())) == pending
         assert exp["pending_keys"].tolist() == list(pending)  # least recent first
     assert t.stats()["pending_forgotten"] == forgotten > 0 and t.stats()["inserts"] == inserted
+
+
+def test_slot_numbers_past_int32_widen_the_index_and_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index, the ticks and the recency log hold int32 until slot numbers or log positions need
+    more (here: past 300, patched): then int64, with every row and the order unchanged."""
+    import jaxdist.ps_server.dynamic_table as dt
+
+    cfg = DynamicTableConfig("w", (2,), optimizer=RowOptimizer("adagrad"), eviction=EvictionConfig(capacity=900))
+    narrow, wide = DynamicTableShard(cfg), DynamicTableShard(cfg)
+    monkeypatch.setattr(dt, "_INT32_SLOTS", 300)
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        keys = rng.integers(0, 3000, size=100).astype(np.int64)
+        grads = rng.normal(size=(100, 2)).astype(np.float32)
+        wide.apply(keys, grads)
+        with monkeypatch.context() as m:
+            m.setattr(dt, "_INT32_SLOTS", (1 << 31) - 1)
+            narrow.apply(keys, grads)
+    assert wide._rows._log.dtype == np.int64 and wide._rows.cols["tick"].dtype == np.int64
+    assert wide._rows.index._table.dtype == np.int64
+    assert narrow._rows._log.dtype == np.int32 and narrow._rows.index._table.dtype == np.int32
+    assert wide.digest() == narrow.digest() and wide.stats()["evictions"] > 0
