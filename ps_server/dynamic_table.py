@@ -1061,6 +1061,27 @@ class DynamicTableShard:
                 return changed.tolist(), values, evicted
             return changed, values, ids[gone].copy()
 
+    def rows_of(self, keys: set[Any] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys, rows)`` of the keys of ``keys`` that have a row now (None: every row), copies,
+        keys ascending: int64, or a numpy unicode array for string keys (what an export for serving
+        writes; no pickle needed to read it back)."""
+        with self._lock:
+            rows = self._rows
+            if keys is None:
+                sl = rows.alive()
+            else:
+                wanted = list(keys)
+                ids = (hash_keys(wanted).view(np.int64) if self._strings
+                       else np.fromiter(wanted, dtype=np.int64, count=len(wanted)))
+                found = rows.find(ids)
+                sl = found[found >= 0]
+            if self._strings:
+                karr = np.asarray(rows.cols["str"][sl].tolist(), dtype=str) if sl.size else np.zeros(0, dtype="<U1")
+            else:
+                karr = rows.cols["ident"][sl]
+            order = np.argsort(karr, kind="stable")
+            return karr[order], rows.cols["values"][sl[order]]  # one gather: a copy
+
     def stats(self) -> dict[str, int]:
         """Rows, bytes and the cumulative counters (for /metrics and ``jaxdist status``).
 
