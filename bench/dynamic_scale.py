@@ -4,7 +4,9 @@ One PS process (``jaxdist.LocalCluster``; its one worker idles: the strategy nee
 ``jaxdist.DynamicEmbedding`` (dim 16, Adagrad, the recsys default for sparse features):
 each example is one id; its row goes through an MLP 16-32-1 (JAX, on the coordinator, SGD) to a
 logistic loss against a label fixed by the id. Each step looks up the batch's rows on the PS
-(one RPC), computes gradients, and pushes the rows' gradients back (one RPC, applied exactly once).
+(one RPC), computes gradients, and pushes the rows' gradients back (one RPC, through the PS client
+with a push identity, so a push that outlasts its deadline while the shard grows is resent and
+applied once: the coordinator's own ``apply_gradients`` pushes carry no identity).
 
 Ids per batch of ``--batch`` (default 65,536): 45% new ids, 45% the previous step's new ids again
 (admission is ``min_count=2``: a key gets its row at its second sighting, so the table grows by
@@ -161,7 +163,11 @@ def main() -> None:
             t0 = time.perf_counter()
             rows = table.lookup(ids)
             loss, g_rows, params = step_fn(jnp.asarray(rows), params, jnp.asarray(labels))
-            counts = table.apply_gradients(ids, np.asarray(g_rows))
+            # The PS client's push, with an identity: the coordinator's own pushes carry none, and
+            # an identified push that outlasts its deadline (a shard's growth step) is resent.
+            resp = table.connections().client(0).dynamic_push("ids", ids, np.asarray(g_rows),
+                                                              update_id=f"dynamic-scale/{step}")
+            counts = {"inserted": resp.inserted, "evicted": resp.evicted}
             dt = time.perf_counter() - t0
             times.append((rows_held, dt))
             losses.append(float(loss))

@@ -434,7 +434,11 @@ class _KeyedSlots:
       when the log fills). Taking the least recent ``k`` entries costs O(k + skipped entries).
     """
 
-    def __init__(self, hash_of: Any, columns: dict[str, tuple[tuple[int, ...], Any]], strings: bool) -> None:
+    def __init__(self, hash_of: Any, columns: dict[str, tuple[tuple[int, ...], Any]], strings: bool,
+                 reserve: int | None = None) -> None:
+        #: Slots the columns get at their first growth when the count is bounded (a capacity): their
+        #: pages cost memory only once used, and the table never copies its columns below it.
+        self.reserve = reserve
         self.index = _HashIndex(hash_of)
         self.hash_of = hash_of
         self._specs: dict[str, tuple[tuple[int, ...], Any]] = {
@@ -483,6 +487,8 @@ class _KeyedSlots:
         if need <= cap:
             return
         new = max(need, 2 * cap)
+        if self.reserve is not None and cap < self.reserve and need <= self.reserve:
+            new = self.reserve
         if new > _INT32_SLOTS:
             self._widen()
         for name, a in self.cols.items():
@@ -641,7 +647,11 @@ class DynamicTableShard:
             cols["slot_" + s] = (shape, np.float32)
         if config.optimizer.name == "lazy_adam":
             cols["t"] = ((), np.int64)  # pushes received per row (Adam's bias correction)
-        self._rows = _KeyedSlots(hash_of, cols, self._strings)
+        cap = config.eviction.capacity
+        # A bounded table reserves its columns for its capacity (plus one push's inserts beyond it,
+        # evicted right after) at once: untouched pages are free, and no doubling copies them later.
+        reserve = None if cap is None else min(cap + max(1024, cap // 8), max(1, config.max_bytes // config.row_bytes()))
+        self._rows = _KeyedSlots(hash_of, cols, self._strings, reserve)
         self._pending = _KeyedSlots(hash_of, {"count": ((), np.int64)}, self._strings)
         self._step = 0
         # The latest evictions (step, identity[, string]), oldest first, in [_ev_lo, _ev_end);
