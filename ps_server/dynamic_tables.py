@@ -30,10 +30,14 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import json
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
@@ -100,6 +104,33 @@ def decode_keys(msg: ps_pb2.DynamicKeys, max_bytes: int) -> np.ndarray | list[st
     return codec.tensor_from_proto(msg.ids, max_bytes)
 
 
+#: Allocations from this size up get pages of their own (glibc), given back to the system when freed.
+LARGE_ALLOCATION_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def unmap_large_allocations() -> bool:
+    """Make glibc serve allocations of :data:`LARGE_ALLOCATION_BYTES` and more with their own pages
+    (``mallopt(M_MMAP_THRESHOLD)``), so they go back to the system when freed; True if set.
+
+    Why: by default glibc raises that threshold up to 32 MB as large blocks are freed, so the
+    megabytes a dynamic push or lookup allocates and frees (keys, rows, gradient sums) come from the
+    per-thread heaps of the server's threads, where fragmentation keeps them: a PS growing a 3M-key
+    table kept ~300 MB more that way (``bench/dynamic_scale.py``). Done once, at the first dynamic
+    table of the process. Not done on other C libraries, or when ``MALLOC_MMAP_THRESHOLD_`` is set
+    (the user's choice stands).
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))
+
+
 class DynamicTables:
     """The dynamic table shards of one PS task, by table name. Thread-safe."""
 
@@ -116,6 +147,7 @@ class DynamicTables:
         #: backup, if any: set by the servicer (Replication.forward_dynamic). Raises NotPrimaryError
         #: when this task must not acknowledge the change.
         self.forward: Callable[[ps_pb2.ReplicaHeader, list[np.ndarray]], None] | None = None
+        self._allocator_set = False
 
     def create(self, config: DynamicTableConfig, shard: int, num_shards: int) -> bool:
         """Create this task's shard of a table; False if it existed identically (kept as it is).
@@ -128,6 +160,9 @@ class DynamicTables:
                 raise VariableExistsError(
                     f"dynamic table {config.name!r} exists here with another config or placement "
                     f"(shard {old.shard} of {old.num_shards})")
+            if not self._tables and not self._allocator_set:
+                self._allocator_set = True
+                logger.debug("large allocations unmapped when freed: %s", unmap_large_allocations())
             self._place(DynamicTableShard(config, shard, num_shards))
             lock = self._apply_locks[config.name]
             lock.acquire()
