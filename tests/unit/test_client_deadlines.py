@@ -190,7 +190,7 @@ def test_a_dynamic_push_the_ps_works_on_past_its_deadline_completes_once(ps_serv
     entered, release = threading.Event(), threading.Event()
     calls: list[object] = []
 
-    def slow_forward(header: object) -> None:  # runs inside the push, after the table applied it
+    def slow_forward(header: object, payload: object = None) -> None:  # runs inside the push, after the table applied it
         calls.append(header)
         entered.set()
         assert release.wait(120), "the test never released the push"
