@@ -808,7 +808,9 @@ def _callback(site: int, push: Callable[[list[np.ndarray]], list[np.ndarray]], k
             if s.task is None or s.task.identity is None:
                 got = push(grads)
             else:
-                child = s.task.for_child(f"keras-stateless-apply-{site}")
+                # Named by what it is, not by ``site`` (a trace-time count, another on another worker): the n-th
+                # such push of a closure attempt has the same identity in a re-run, which the PS applies once.
+                child = s.task.for_child("keras-stateless-apply")
                 assert child.identity is not None
                 child.identity.bind()
                 with wctx.use(child):

@@ -496,6 +496,54 @@ def stateless_apply_in_the_closure_body_pushes_once_and_returns_the_ps_values() 
 
 
 @check
+def stateless_apply_of_a_rerun_closure_attempt_is_applied_once() -> None:
+    """A closure attempt re-run (a fresh identity with the closure's prefix, as the worker service makes for a
+    re-run after a worker failure) whose step is traced anew: its stateless_apply push has the first attempt's
+    identity, so the PS applies it once (one step on the counter, the weights moved once)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.worker import context as wctx
+
+    x, y = _regression_batches()[0]
+    with _cluster(num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        model, optimizer = _stateless_model(strategy, "sgd")
+        optimizer.build(model.trainable_variables)
+        optimizer_variables = [np.asarray(v.value) for v in optimizer.variables]
+
+        def make_replica_fn(attempt: int) -> Any:  # another captured value each attempt: traced (sites counted) anew
+            def replica_fn(b: Any) -> Any:
+                trainable = [v.value for v in model.trainable_variables]
+                grads = jax.grad(lambda t: jnp.mean((model.stateless_call(t, [], b[0])[0] - b[1]) ** 2))(trainable)
+                grads = [g * (attempt - attempt + 1) for g in grads]
+                return optimizer.stateless_apply(optimizer_variables, grads, trainable)[0]
+
+            return replica_fn
+
+        def twice(batch: Any) -> Any:
+            ctx = wctx.current()
+            assert ctx is not None and ctx.identity is not None
+            out = []
+            for attempt in range(2):
+                with wctx.use(ctx.for_closure(ctx.identity.prefix)):  # the attempt's identity, as a re-run gets it
+                    out.append(strategy.run(make_replica_fn(attempt), args=(batch,)))
+            assert strategy.trace_count >= 2, strategy.trace_count
+            return out
+
+        first, second = coordinator.schedule(twice, args=((x, y),)).fetch()
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == 1
+        for a, b, w in zip(jax.tree.leaves(first), jax.tree.leaves(second), model.get_weights()):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(w))
+
+
+@check
 def metric_stateless_update_state_in_ps_closures_is_a_pure_function() -> None:
     """``metric.stateless_update_state`` inside strategy.run of a closure returns the updated values (the
     metric's variables read their reset values in a run), and pushes nothing: the PS accumulators stay as they
