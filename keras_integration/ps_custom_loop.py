@@ -59,6 +59,9 @@ the PS's semantics (TF's: a read after an update reads the PS):
   (``optimizer.build(model.trainable_variables); [v.value for v in optimizer.variables]`` on the coordinator).
   With one worker the values equal Keras's own ``stateless_apply`` on one device; with several, pushes other
   workers made before this one are in them too. Read the step count with :func:`jaxdist.keras.sync_from_ps`.
+- Inside ``run`` the parameter servers must be other processes: a PS serving from this process (an in-process
+  cluster) would run its optimizer step on the XLA CPU client the waiting step holds (it hung over 2 local
+  devices), so that raises :class:`~jaxdist.base.errors.ConfigurationError`.
 - Assigning those returned values back (``variable.assign(value)`` in the same run, Keras's recipe) is
   accepted and does nothing: the PS holds them already. Any other assignment of a weight is refused.
 - ``metric.stateless_update_state(metric_vars, ...)`` is a pure function, as in Keras: inside ``run`` the
@@ -107,6 +110,7 @@ from jaxdist.keras.ps_optimizers import clipping_of, to_optax
 from jaxdist.proto import pickling
 from jaxdist.proto.ps_wire import Op
 from jaxdist.ps_methods import local_strategy, register_run_hook
+from jaxdist.ps_server.server import serving_in_this_process
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSynchronization
 from jaxdist.variables import gradient_updates, pull, pulls_for_run, push_updates, split_update
@@ -764,6 +768,16 @@ def _stateless_apply(optimizer: Any, ref: _OptimizerRef, optimizer_variables: An
         new = push([np.asarray(g) for g in summed])
         return [jnp.asarray(v) for v in new], optimizer_variables
     s = _session("a Keras optimizer")
+    if serving_in_this_process():
+        # The callback holds the step's XLA execution thread while the PS applies the push; a PS in this process
+        # runs its optimizer step on the same XLA CPU client, which may have no thread left for it (over 2 local
+        # devices it hung): refused rather than left to the thread pool's size.
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r}: stateless_apply inside strategy.run needs the parameter servers in "
+            "other processes (here a PS serves from this process, an in-process cluster, and its optimizer step "
+            "could wait for the XLA threads the step holds). Run the PS tasks as processes "
+            "(jaxdist.LocalCluster, `jaxdist ps`), or use optimizer.apply_gradients(zip(grads, "
+            "model.trainable_variables)) inside strategy.run, or call stateless_apply in the closure's body")
     site = next(_call_sites)
     result_shapes = ([jax.ShapeDtypeStruct(tuple(b.keras_variable.shape), np.dtype(b.keras_variable.dtype))
                       for b in weights], jax.ShapeDtypeStruct((), np.int32))

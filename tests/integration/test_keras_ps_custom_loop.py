@@ -350,6 +350,11 @@ def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
         raises(coordinator, stateless_with(sgd_vars, cut=1), "trainable_variables must be the values of the model's",
                "got 1 of shapes [(3, 2)]")
         raises(coordinator, reads_optimizer_state, "is read inside strategy.run", "stateless_apply")
+        # A right call inside run, but the PS serves from this process (an in-process cluster): refused, not hung.
+        built = keras.optimizers.SGD(0.1)
+        built.build(model.trainable_variables)
+        raises(coordinator, stateless_with([np.asarray(v.value) for v in built.variables]),
+               "needs the parameter servers in other processes", "jaxdist.LocalCluster")
         import jaxdist.keras
 
         assert jaxdist.keras.sync_from_ps(model)
@@ -422,7 +427,7 @@ def stateless_recipe_in_ps_closures_matches_apply_gradients_and_one_device_keras
 
         got: dict[str, list[Any]] = {}
         for form in ("stateless", "apply_gradients"):
-            with _cluster(num_ps=1) as cluster:
+            with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:  # stateless_apply in run: PS processes
                 strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
                 coordinator = jaxdist.ClusterCoordinator(strategy)
                 model, optimizer = _stateless_model(strategy, name, initial)
@@ -509,7 +514,7 @@ def stateless_apply_of_a_rerun_closure_attempt_is_applied_once() -> None:
     from jaxdist.worker import context as wctx
 
     x, y = _regression_batches()[0]
-    with _cluster(num_ps=1) as cluster:
+    with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:  # stateless_apply in run: PS processes
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         coordinator = jaxdist.ClusterCoordinator(strategy)
         model, optimizer = _stateless_model(strategy, "sgd")
