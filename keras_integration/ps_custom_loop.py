@@ -110,7 +110,6 @@ from jaxdist.keras.ps_optimizers import clipping_of, to_optax
 from jaxdist.proto import pickling
 from jaxdist.proto.ps_wire import Op
 from jaxdist.ps_methods import local_strategy, register_run_hook
-from jaxdist.ps_server.server import serving_in_this_process
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSynchronization
 from jaxdist.variables import gradient_updates, pull, pulls_for_run, push_updates, split_update
@@ -768,6 +767,8 @@ def _stateless_apply(optimizer: Any, ref: _OptimizerRef, optimizer_variables: An
         new = push([np.asarray(g) for g in summed])
         return [jnp.asarray(v) for v in new], optimizer_variables
     s = _session("a Keras optimizer")
+    from jaxdist.ps_server.server import serving_in_this_process  # here: importing jaxdist.keras loads no PS code
+
     if serving_in_this_process():
         # The callback holds the step's XLA execution thread while the PS applies the push; a PS in this process
         # runs its optimizer step on the same XLA CPU client, which may have no thread left for it (over 2 local
