@@ -269,10 +269,13 @@ def run_job(args: argparse.Namespace) -> int:
                 try:
                     # The time is taken after the probes: a line describes the cluster at or before its "t".
                     shards = [list(replicas.status(i)) for i in range(NUM_PS)]
+                    pids = {n: cluster.pid(n) for n in tasks}
                     healthy = [w["healthy"] for w in coord.status()]
                     finished = coord.closure_counts.finished
                     emit({"ev": "status", "t": time.time(), "finished": finished, "healthy": healthy, "shards": shards,
-                          "pairs": [list(p) for p in replicas.pairs], "pids": {n: cluster.pid(n) for n in tasks},
+                          "pairs": [list(p) for p in replicas.pairs], "pids": pids,
+                          # Each pid's start time: the driver signals a pid only while it is still that process.
+                          "started": {n: start_time(p) if p else None for n, p in pids.items()},
                           "addresses": {n: cluster.address(n) for n in tasks}})
                 except Exception as e:  # a status line is best effort; the driver waits for the next one
                     emit({"ev": "status_error", "error": repr(e)})
@@ -729,12 +732,21 @@ class Soak:
             time.sleep(hold)  # the downtime (the fault's length), not a synchronisation
             job.command("restart", target)
         elif kind.endswith("_stop"):
-            pid = job.proc.pid if target == "coordinator" else st["pids"][target]
-            os.kill(pid, signal.SIGSTOP)
-            try:
-                time.sleep(hold)
-            finally:
-                os.kill(pid, signal.SIGCONT)
+            # The job is this driver's child (its pid stays its own until it is waited for); a task's pid is
+            # from a status line, and that task may have exited since and its pid gone to another process.
+            if target == "coordinator":
+                proc = SameProcess.open(job.proc.pid, start_time(job.proc.pid))
+            else:
+                proc = SameProcess.open(st["pids"][target], st.get("started", {}).get(target))
+            if proc is None:
+                rec["not_injected"] = f"{target}'s process (pid from the status line) exited since: its pid may be another's"
+                return t_inject, time.time()
+            with proc:
+                proc.send(signal.SIGSTOP)
+                try:
+                    time.sleep(hold)
+                finally:
+                    proc.send(signal.SIGCONT)
         elif kind == "coordinator_kill":
             pids = [p for p in st.get("pids", {}).values() if p]
             job.kill()
@@ -967,19 +979,74 @@ class Soak:
 
     def summary(self) -> dict[str, Any]:
         by_kind: dict[str, list[float]] = {k: [] for k in self.kinds}
-        counts = Counter(r["kind"] for r in self.records)
+        counts = Counter(r["kind"] for r in self.records if "not_injected" not in r)
         for r in self.records:
-            if r.get("recovery_s") is not None:
+            if r.get("recovery_s") is not None and "not_injected" not in r:
                 by_kind[r["kind"]].append(r["recovery_s"])
         rec = {k: {"n": len(v), "median_s": round(statistics.median(v), 3), "max_s": round(max(v), 3)}
                for k, v in by_kind.items() if v}
         return {"ev": "summary", "seed": self.args.seed, "elapsed_s": round(time.time() - self.t0, 1),
-                "faults": {k: counts.get(k, 0) for k in self.kinds}, "total_faults": len(self.records),
+                "faults": {k: counts.get(k, 0) for k in self.kinds}, "total_faults": sum(counts.values()),
                 "recovery": rec, "coordinator_runs": self.run, "closures": getattr(self, "final_step", None),
                 "lanes": self.args.lanes, "overlapped_faults": sum(1 for r in self.records if r.get("overlap")),
+                "not_injected": sum(1 for r in self.records if "not_injected" in r),
                 "save_retries": self.save_retries, "background_worker_kills": self.chaos_kills,
                 "background_cycles_overtaken": self.chaos_skipped, "shm_files_seen": len(self.shm_seen),
                 "violations": self.violations}
+
+
+class SameProcess:
+    """One process, named by its pid and its start time; signals reach it, never a process that took the
+    pid after it exited. On Linux a pidfd holds the process itself (checked against the start time once
+    opened, so no later reuse of the pid can redirect a signal); elsewhere the start time is checked
+    before each signal."""
+
+    def __init__(self, pid: int, started: str, fd: int | None) -> None:
+        self.pid, self.started, self._fd = pid, started, fd
+
+    @classmethod
+    def open(cls, pid: int | None, started: str | None) -> SameProcess | None:
+        """The process with ``pid`` if it is still the one that started at ``started`` (field 22 of
+        /proc/PID/stat), else None (it exited; its pid may be another process's now)."""
+        if not pid or started is None:
+            return None
+        fd = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                return None
+            except OSError:  # no pidfd support (old kernel): the start-time check before each signal
+                fd = None
+        if start_time(pid) != started:
+            if fd is not None:
+                os.close(fd)
+            return None
+        return cls(pid, started, fd)
+
+    def send(self, sig: int) -> bool:
+        """Signal the process; False when it has exited meanwhile (nothing else is signalled)."""
+        try:
+            if self._fd is not None:
+                signal.pidfd_send_signal(self._fd, sig)
+            elif start_time(self.pid) == self.started:
+                os.kill(self.pid, sig)
+            else:
+                return False
+        except ProcessLookupError:
+            return False
+        return True
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> SameProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def start_time(pid: int) -> str | None:

@@ -59,6 +59,7 @@ from jaxdist.ps_server.checkpoint_io import sha256_file
 from jaxdist.proto.ps_wire import optimizer_payload
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig
+from jaxdist.ps_server.dynamic_tables import unpack_export
 from jaxdist.sync import checkpointing as sync_ckpt
 from jaxdist.variables import variable_dtype
 
@@ -567,10 +568,18 @@ class CheckpointManager:
 def load(path: str, with_optimizer_state: bool = False) -> dict[str, Any]:
     """Read a checkpoint on one machine, without servers.
 
-    Returns ``{"step", "save_counter", "variables": {name: full array}, "metadata", "ledger"}``
-    (``save_counter`` None in a checkpoint written before it was recorded)
+    Returns ``{"step", "save_counter", "variables": {name: full array}, "dynamic_tables", "metadata",
+    "ledger"}`` (``save_counter`` None in a checkpoint written before it was recorded)
     and, with ``with_optimizer_state``, ``"optimizer_state": {name: [leaf arrays]}``
     (row-shaped leaves concatenated across shards, in ``jax.tree.leaves`` order).
+
+    ``"dynamic_tables"`` holds each :class:`~jaxdist.DynamicEmbedding` saved:
+    ``{name: {"config": its DynamicTableConfig as JSON, "num_shards", "keys", "values"}}``, the
+    shards merged, keys ascending (int64, or a numpy unicode array for string keys), ``values[i]``
+    the row of ``keys[i]``; with ``with_optimizer_state`` also ``"optimizer_state"``: per-row state
+    aligned with the keys (``"t"``, pushes each row received, and the rule's slots: ``"acc"`` for
+    Adagrad, ``"m"``/``"v"`` for lazy Adam). Keys waiting for admission and the counters are not
+    returned (they are state of training, restored by :meth:`Checkpoint.restore`).
     Every file's sha256 is verified.
     """
     manifest = _read_manifest(path)
@@ -593,14 +602,39 @@ def load(path: str, with_optimizer_state: bool = False) -> dict[str, Any]:
                     row = len(ls) > 1 and all(leaf.ndim and leaf.shape[1:] == tuple(saved["shape"][1:]) for leaf in ls)
                     leaves.append(np.concatenate(ls, axis=0) if row else ls[0])
                 out_opt[name] = leaves
+        out_dynamic = {name: _load_dynamic(name, entry, archives, with_optimizer_state)
+                       for name, entry in (manifest.get("dynamic_tables") or {}).items()}
     finally:
         for a in archives.values():
             a.close()
-    result: dict[str, Any] = {"step": manifest["step"], "save_counter": manifest.get("save_counter"), "variables": out_vars, "metadata": manifest.get("metadata") or {},
+    result: dict[str, Any] = {"step": manifest["step"], "save_counter": manifest.get("save_counter"), "variables": out_vars,
+                              "dynamic_tables": out_dynamic, "metadata": manifest.get("metadata") or {},
                               "ledger": manifest.get("ledger")}
     if with_optimizer_state:
         result["optimizer_state"] = out_opt
     return result
+
+
+def _load_dynamic(name: str, entry: dict[str, Any], archives: dict[str, Any], with_optimizer_state: bool) -> dict[str, Any]:
+    """One saved dynamic table, its shards' files merged (see :func:`load`)."""
+    config = DynamicTableConfig.from_json(entry["config"])
+    exports = []
+    for file in entry["files"]:
+        if file not in archives:
+            raise ConfigurationError(f"checkpoint dynamic table {name!r} names file {file!r}, which it does not list")
+        exports.append(unpack_export(config, archives[file].__getitem__))
+    keys = np.concatenate([e["keys"] for e in exports])
+    if config.key_dtype == "string":
+        keys = np.asarray(keys.tolist(), dtype=str) if len(keys) else np.zeros(0, dtype="<U1")
+    order = np.argsort(keys, kind="stable")
+    out: dict[str, Any] = {"config": entry["config"], "num_shards": entry["num_shards"], "keys": keys[order],
+                           "values": np.concatenate([e["values"] for e in exports])[order]}
+    if with_optimizer_state:
+        state = {"t": np.concatenate([e["t"] for e in exports])[order]}
+        for slot in config.optimizer.slot_names():
+            state[slot] = np.concatenate([e["slot_" + slot] for e in exports])[order]
+        out["optimizer_state"] = state
+    return out
 
 
 def unflatten(variables: dict[str, Any], prefix: str) -> Any:

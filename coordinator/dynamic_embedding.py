@@ -15,6 +15,7 @@ are applied exactly once.
 
 from __future__ import annotations
 
+import functools
 import logging
 from operator import methodcaller
 from collections.abc import Sequence
@@ -69,8 +70,14 @@ class DynamicEmbedding:
         max_bytes_per_shard: bound on one shard's rows and optimizer state; a push that would pass
             it is refused (:class:`~jaxdist.errors.PayloadTooLargeError`) and changes nothing.
 
+    Creating it is idempotent on every PS task (not a transaction across them): a PS that refuses
+    or cannot be reached makes the constructor raise that PS's error (with a note naming the PS
+    tasks that hold their shard); those shards stay, empty, and the same constructor again completes
+    the table, keeping them as they are.
+
     Raises:
         ConfigurationError: no ParameterServerStrategy scope is open, or an invalid setting.
+        VariableExistsError: a PS holds a table of that name with another config or placement.
     """
 
     def __init__(
@@ -107,11 +114,41 @@ class DynamicEmbedding:
         )
         self.num_shards = strategy.num_ps
         self._conns: PSConnections | None = strategy.connections
-        cfg = self.config
-        self._conns.fan_out({i: methodcaller("create_dynamic_table", cfg, i, self.num_shards)
-                             for i in range(self.num_shards)})
+        self._create_shards()
         strategy.dynamic_tables[name] = self
         logger.info("dynamic table %r created on %d PS tasks", name, self.num_shards)
+
+    def _create_shards(self) -> None:
+        """Create the table's shard on every PS task (in parallel).
+
+        Not a transaction across PS tasks: creation is *idempotent* instead. A PS keeps a shard that
+        exists with the same config and placement as it is (rows and all), so when one PS refuses or
+        cannot be reached, the shards the others created stay, empty and unregistered (the handle
+        is not made), and the same ``DynamicEmbedding(...)`` again completes the table. The error
+        raised is the first PS's, with a note naming which PS tasks hold their shard.
+        """
+        cfg = self.config
+
+        def create(i: int, client: Any) -> tuple[bool, BaseException | None]:
+            try:
+                return client.create_dynamic_table(cfg, i, self.num_shards), None
+            except Exception as e:  # collected: every PS's outcome is known before raising
+                return False, e
+
+        assert self._conns is not None
+        outcomes = self._conns.fan_out({i: functools.partial(create, i) for i in range(self.num_shards)})
+        failed = {i: e for i, (_, e) in sorted(outcomes.items()) if e is not None}
+        if failed:
+            held = [i for i in sorted(outcomes) if i not in failed]
+            first = next(iter(failed.values()))
+            first.add_note(
+                f"dynamic table {cfg.name!r} was not created on ps:{', ps:'.join(map(str, failed))}; "
+                + (f"ps:{', ps:'.join(map(str, held))} hold their (empty) shard, kept: " if held else "")
+                + "creating a table is idempotent, the same DynamicEmbedding(...) again completes it")
+            logger.warning("dynamic table %r: creation failed on ps:%s (%s)", cfg.name, sorted(failed), first)
+            raise first
+        logger.debug("dynamic table %r: shards created on %s (others existed identically)", cfg.name,
+                     [i for i, (created, _) in sorted(outcomes.items()) if created])
 
     # ------------------------------------------------------------ identity
     @property

@@ -5,7 +5,8 @@ so nothing imports it unless Keras is in use. The sync core (``jaxdist.sync``) n
 the rest of the public API only through this module (``tests/unit/test_layers.py`` checks both):
 
 - **Scope hook.** ``import jaxdist`` registers :func:`scope_hook` as the sync core's ``"keras"``
-  scope hook (:mod:`jaxdist.sync.hooks`). Inside a ``strategy.scope()`` it does nothing while
+  scope hook (:mod:`jaxdist.sync.hooks`, whose registry is :mod:`jaxdist.base.hooks`: registering it imports no
+  sync wing). Inside a ``strategy.scope()`` it does nothing while
   Keras is not imported; once ``keras`` is imported on its JAX backend it imports
   :mod:`jaxdist.keras` (which registers :func:`jaxdist.keras.scope.keras_scope` under the same name,
   replacing this stand-in) and enters the strategy's Keras distribution; on another backend it logs
@@ -23,7 +24,7 @@ import threading
 from contextlib import AbstractContextManager
 from typing import Any
 
-from jaxdist.sync.hooks import register_scope_hook
+from jaxdist.base.hooks import register_scope_hook
 
 logger = logging.getLogger(__name__)
 

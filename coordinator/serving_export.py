@@ -34,8 +34,9 @@ the variables or their sharding changed since the previous export. An export tha
 nothing, and the next one is again relative to the last published export.
 
 The files: per variable and shard, ``value/<shard>`` (whole) or ``ids/<shard>`` (int64 global row
-numbers, ascending) with ``rows/<shard>`` (the rows); per keyed table and shard ``keys/<table>``,
-``rows/<table>`` and, in a delta, ``evicted/<table>``. The manifest maps every variable to its
+numbers, ascending) with ``rows/<shard>`` (the rows); per keyed (dynamic) table and shard
+``keys/<table>`` (int64 or numpy unicode), ``rows/<table>`` and, in a delta, ``evicted/<table>``. A
+dynamic table created, restored or replaced since the previous export makes the next one full. The manifest maps every variable to its
 shards (file, array keys, first row) so a reader needs no naming rule.
 """
 
@@ -50,6 +51,8 @@ import re
 import shutil
 import time
 import uuid
+import zipfile
+import zlib
 from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -190,6 +193,7 @@ class _Files:
     def __init__(self, path: str, files: Mapping[str, Any]) -> None:
         self.path, self.files = path, files
         self._open: dict[str, Any] = {}
+        self._fhs: list[Any] = []
 
     def array(self, file: Any, key: Any) -> np.ndarray:
         if not isinstance(file, str) or file not in self.files or not _PLAIN_FILE_RE.match(file):
@@ -206,17 +210,25 @@ class _Files:
             if h.hexdigest() != self.files[file].get("sha256"):
                 raise ExportFormatError(f"{full} is corrupt (sha256 mismatch)")
             try:
-                self._open[file] = np.load(full, allow_pickle=False)
-            except (OSError, ValueError) as e:
+                fh = open(full, "rb")  # ours, so closed when a truncated file makes np.load fail
+            except OSError as e:
+                raise ExportFormatError(f"{full} cannot be read: {e.strerror}") from None
+            try:
+                self._open[file] = np.load(fh, allow_pickle=False)
+                self._fhs.append(fh)
+            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:  # truncated: BadZipFile
+                fh.close()
                 raise ExportFormatError(f"{full} is not a numpy archive: {e}") from None
         try:
             return np.asarray(self._open[file][key])
-        except (KeyError, ValueError) as e:
+        except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile, zlib.error) as e:
             raise ExportFormatError(f"{self.path}/{file} has no array {key!r} ({e})") from None
 
     def close(self) -> None:
         for a in self._open.values():
             a.close()
+        for fh in self._fhs:
+            fh.close()
 
 
 def _check(cond: bool, path: str, what: str) -> None:
@@ -325,6 +337,14 @@ def _sorted_rows(keys: np.ndarray, values: np.ndarray) -> KeyedRows:
     return KeyedRows(keys, values[order])
 
 
+def _keys_like(keys: np.ndarray, like: np.ndarray) -> np.ndarray:
+    """``keys`` (of the same kind as ``like``, checked) in ``like``'s integer dtype; strings keep their
+    own width (a cast to ``like``'s unicode width would cut longer keys short)."""
+    if not len(keys):
+        return like[:0]
+    return keys if like.dtype.kind == "U" else keys.astype(like.dtype, copy=False)
+
+
 @_typed
 def apply_delta(state: ExportState, path: str) -> ExportState:
     """Apply the delta export at ``path`` to ``state`` (in place; also returned).
@@ -386,14 +406,19 @@ def apply_delta(state: ExportState, path: str) -> ExportState:
             _check(values.shape[1:] == cur_t.values.shape[1:] and values.dtype == cur_t.values.dtype, path,
                    f"table {name!r}: rows {values.dtype}{list(values.shape[1:])}, the state's {cur_t.values.dtype}"
                    f"{list(cur_t.values.shape[1:])}")
-            if len(cur_t.keys) and len(keys):
-                _check((keys.dtype.kind == "U") == (cur_t.keys.dtype.kind == "U"), path, f"table {name!r}: key type differs")
+            for what, a in (("keys", keys), ("evicted keys", evicted)):
+                _check(not len(a) or not len(cur_t.keys) or (a.dtype.kind == "U") == (cur_t.keys.dtype.kind == "U"), path,
+                       f"table {name!r}: {what} are {a.dtype}, the state's keys {cur_t.keys.dtype}")
+            _check(not len(keys) or not len(evicted) or (keys.dtype.kind == "U") == (evicted.dtype.kind == "U"), path,
+                   f"table {name!r}: keys are {keys.dtype}, evicted keys {evicted.dtype}")
             upd = _sorted_rows(keys, values)
-            gone = np.isin(cur_t.keys, np.concatenate([upd.keys.astype(cur_t.keys.dtype, copy=False), evicted.astype(cur_t.keys.dtype, copy=False)])
-                           if len(cur_t.keys) else cur_t.keys)
-            table_updates[name] = _sorted_rows(np.concatenate([cur_t.keys[~gone], upd.keys.astype(cur_t.keys.dtype, copy=False)])
-                                               if len(cur_t.keys) else upd.keys,
-                                               np.concatenate([cur_t.values[~gone], upd.values]))
+            if len(cur_t.keys):
+                new_keys = _keys_like(upd.keys, cur_t.keys)
+                gone = np.isin(cur_t.keys, np.concatenate([new_keys, _keys_like(evicted, cur_t.keys)]))
+                table_updates[name] = _sorted_rows(np.concatenate([cur_t.keys[~gone], new_keys]),
+                                                   np.concatenate([cur_t.values[~gone], upd.values]))
+            else:
+                table_updates[name] = upd
     finally:
         files.close()
     # Checked and read: now change the state.
@@ -444,7 +469,8 @@ class IncrementalExporter:
     """Writes full and delta exports of a ``ParameterServerStrategy``'s variables into ``directory``.
 
     Args:
-        strategy: the strategy whose variables (all of them) are exported.
+        strategy: the strategy whose variables (all of them) are exported, with every dynamic
+            table its PS tasks hold (:class:`~jaxdist.DynamicEmbedding`: keys, rows, evicted keys).
         directory: where the exports go (made if missing; every PS task must be able to write
             there, as for checkpoints). Exports already there are continued: the next export is a
             delta relative to the newest one when every PS can still answer it.

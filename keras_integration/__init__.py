@@ -48,7 +48,8 @@ Guarantees per strategy (global batch = ``batch_size``, as in TF):
   coordinator with the PS's weights. Embeddings move only the looked-up
   rows, whatever the optimizer, applied exactly (Keras's result) or lazily
   (:func:`lazy_embeddings`; :mod:`jaxdist.keras.ps_embedding`). ``*_on_batch`` raise
-  NotImplementedError.
+  NotImplementedError. Dynamic embedding tables (no vocabulary fixed in advance,
+  admission, eviction): :class:`jaxdist.keras.layers.DynamicEmbedding`.
 
 Logs: Keras's own progress bar (time per step), ``History`` and ``CSVLogger``
 work unchanged on every strategy; :class:`jaxdist.keras.TensorBoard` replaces
@@ -97,9 +98,16 @@ from jaxdist.keras.distribution import (  # noqa: E402
     StrategyDistribution,
     install_data_placement,
 )
+from jaxdist.keras import layers  # noqa: E402  (jaxdist.keras.layers.DynamicEmbedding)
 from jaxdist.keras.export import EXPORT_FORMATS, ExportDependencyError, export_model  # noqa: E402
 from jaxdist.keras.ps_custom_loop import install_ps_custom_loop_support  # noqa: E402
-from jaxdist.keras.ps_model import PSDistribution, lazy_embeddings, ps_variables, sync_from_ps  # noqa: E402
+from jaxdist.keras.ps_model import (  # noqa: E402
+    PSDistribution,
+    dynamic_tables,
+    lazy_embeddings,
+    ps_variables,
+    sync_from_ps,
+)
 from jaxdist.keras.ps_optimizers import UnsupportedOptimizerError  # noqa: E402
 from jaxdist.keras.scope import distribution_for, keras_scope  # noqa: E402
 from jaxdist.keras.sidecar import SidecarEvaluator  # noqa: E402
@@ -129,9 +137,11 @@ __all__ = [
     "TensorBoard",
     "UnsupportedOptimizerError",
     "distribution_for",
+    "dynamic_tables",
     "export_model",
     "install_data_placement",
     "keras_scope",
+    "layers",
     "lazy_embeddings",
     "ps_variables",
     "require_jax_backend",

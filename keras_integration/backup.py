@@ -30,7 +30,8 @@ included: process 0 writes the backups and every process reads them, so
 
 ``ParameterServerStrategy``: the model's state lives on the parameter servers,
 so a backup is a :class:`jaxdist.Checkpoint` of the model's PS variables
-(optimizer state and step counter included) taken at a quiet point: ``fit``
+(optimizer state and step counter included) and of its dynamic tables
+(:class:`jaxdist.keras.layers.DynamicEmbedding`) taken at a quiet point: ``fit``
 waits for every step scheduled so far to be applied and counted before the
 backup (:class:`jaxdist.keras.ps_fit.FitControl`), so the backup holds exactly
 the steps it names. A re-run (the coordinator script started again, against
@@ -204,8 +205,9 @@ class BackupAndRestore(keras.callbacks.Callback, FitControl):
         logger.info("resuming from %s: epoch %d, batch %d", self._path(stem), self._epoch, self._skip)
 
     def _restore_ps(self, pm: PSModel, path: str) -> None:
-        """Restore the model's PS variables (values, optimizer state, step counter) from backup ``path``."""
-        names = [v.name for v in pm.trainable + pm.non_trainable + [pm.iterations]]
+        """Restore the model's PS variables (values, optimizer state, step counter) and dynamic tables (keys, rows,
+        optimizer state, counters) from backup ``path``."""
+        names = [v.name for v in pm.trainable + pm.non_trainable + [pm.iterations]] + [d.table.name for d in pm.dynamic]
         try:
             Checkpoint(pm.strategy).restore(path, variables=names)
         except ConfigurationError as e:

@@ -83,6 +83,7 @@ __all__ = [
     "install_pickle_patch",
     "replace_on_instance",
     "in_stateless_scope",
+    "in_symbolic_scope",
     "name_scope_caller",
     "install_trainer_patches",
     "loss_and_updates",
@@ -196,8 +197,9 @@ INTERNALS: tuple[Internal, ...] = (
         path="keras.src.backend.common.global_state.get_global_attribute",
         kind="import",
         use="reads the current Keras StatelessScope, to leave it while an optimizer first used inside strategy.run "
-            "is built eagerly (outside the trace)",
-        used_by=("jaxdist.keras.custom_loop",),
+            "is built eagerly (outside the trace); and the SymbolicScope, in which a DynamicEmbedding layer building "
+            "a model gives shapes only (called anywhere else outside jaxdist's fit, it raises)",
+        used_by=("jaxdist.keras.custom_loop", "jaxdist.keras.layers"),
         signature="(name, default=None, set_to_default=False)",
     ),
     Internal(
@@ -888,6 +890,11 @@ def name_scope_caller() -> Any:
 def in_stateless_scope() -> bool:
     """Whether a Keras ``StatelessScope`` is current (jaxdist's trace scope is one)."""
     return global_state.get_global_attribute("stateless_scope") is not None
+
+
+def in_symbolic_scope() -> bool:
+    """Whether a Keras ``SymbolicScope`` is current (Keras is building a model or computing output shapes)."""
+    return global_state.get_global_attribute("symbolic_scope") is not None
 
 
 @contextlib.contextmanager

@@ -106,6 +106,7 @@ from jaxdist.keras.ps_model import (
     ps_strategy_of,
     ps_strategy_of_variable,
 )
+from jaxdist.keras.ps_embedding import dynamic_embeddings
 from jaxdist.keras.ps_optimizers import clipping_of, to_optax
 from jaxdist.proto import pickling
 from jaxdist.proto.ps_wire import Op
@@ -246,6 +247,11 @@ def _model_ref(model: Any, strategy: Any) -> _ModelRef:
         ref = _model_refs.get(model)
     if ref is not None:
         return ref
+    if dynamic_embeddings(model):
+        raise ConfigurationError(
+            f"Keras model {model.name!r} has jaxdist.keras.layers.DynamicEmbedding layers, which run under "
+            "model.fit/evaluate/predict only: in a custom loop's closures, look rows up and push their gradients "
+            "with jaxdist.DynamicEmbedding (lookup, apply_gradients) and feed the rows to the rest of the model")
     optimizer = _optimizer_of(model, strategy)
     oref = _optimizer_ref(optimizer, strategy)
     pm = ps_model(model, optimizer=optimizer, iterations=oref.iterations)

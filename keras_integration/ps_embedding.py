@@ -19,6 +19,14 @@ for ``SGD`` without momentum and ``Adagrad`` the two are the same, and the
 PS works on the pushed rows only. Layers with ``mask_zero``, a regularizer,
 a constraint or LoRA, layers called on more than one input, and inputs
 passed as a dict stay dense (the whole table moves).
+
+:class:`jaxdist.keras.layers.DynamicEmbedding` layers (dynamic tables, keys
+looked up by hash) take the same path with their distinct keys
+(:func:`dynamic_embeddings`, :func:`compact_batch`): their rows come from the
+table's :meth:`jaxdist.DynamicEmbedding.lookup` and their gradients go to its
+:meth:`~jaxdist.DynamicEmbedding.apply_gradients`. They have no dense
+fallback: such a layer must be fed by a model input, called once, and the
+batch laid out as the model's inputs.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras import compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SparseEmbedding", "sparse_embeddings", "with_input_dims", "bucket"]
+__all__ = ["DynamicKeys", "DynamicSlot", "SparseEmbedding", "bucket", "compact_batch", "dynamic_embeddings",
+           "renumber_dynamic_inputs", "sparse_embeddings", "with_compact_tables", "with_input_dims"]
 
 
 @dataclass(frozen=True)
@@ -102,17 +112,121 @@ class Rows:
     size: int
 
 
-def compact_inputs(x: Any, sparse: list[SparseEmbedding], num_inputs: int) -> tuple[Any, list[Rows]] | None:
-    """``x`` with each row-sparse layer's ids renumbered into its compact table, and the rows to read.
+def padded(values: np.ndarray, size: int) -> np.ndarray:
+    """``values`` (rows) padded with zero rows to ``size`` rows (the padding is never looked up)."""
+    if len(values) == size:
+        return values
+    return np.concatenate([values, np.zeros((size - len(values),) + values.shape[1:], values.dtype)])
 
-    None when ``x`` is not laid out as the model's inputs (an array for one
-    input, a list/tuple for several): the step then runs dense.
+
+@dataclass(frozen=True)
+class DynamicSlot:
+    """A :class:`jaxdist.keras.layers.DynamicEmbedding` layer of a model: its name, its input's place in the
+    model's inputs, and its table (a :class:`jaxdist.DynamicEmbedding` handle: it pickles as its description)."""
+
+    layer: str
+    input_index: int
+    table: Any
+
+
+def dynamic_embeddings(model: Any) -> list[tuple[Any, int]]:
+    """The model's DynamicEmbedding layers with the place of their input among the model's inputs.
+
+    Raises:
+        ConfigurationError: such a layer is not fed directly by a model input, or is called more than once
+            (its keys must be in the batch: the worker looks their rows up before the step).
     """
+    from jaxdist.keras.layers import DynamicEmbedding
+
+    inputs = list(getattr(model, "inputs", None) or [])
+    out = []
+    for layer in compat.flatten_layers(model):
+        if not isinstance(layer, DynamicEmbedding):
+            continue
+        where = [i for i, t in enumerate(inputs) if compat.inbound_node_count(layer) == 1 and layer.input is t]
+        if len(where) != 1:
+            raise ConfigurationError(
+                f"jaxdist.keras.layers.DynamicEmbedding {layer.name!r} must be called once, directly on a model input "
+                "(keras.Input(..., dtype='int64' or 'string')): the workers look up the batch's keys before the step")
+        out.append((layer, where[0]))
+    return out
+
+
+@dataclass
+class DynamicKeys:
+    """One step's keys of one dynamic table.
+
+    ``keys``: every occurrence, flattened (int64 array, or list of str); ``distinct``: the distinct keys
+    (rows ``0..n-1`` of the compact table); ``first``: where each distinct key first occurs in ``keys``;
+    ``size``: the padded size of the compact table.
+    """
+
+    keys: np.ndarray | list[str]
+    distinct: np.ndarray | list[str]
+    first: np.ndarray
+    size: int
+
+    def occurrence_grads(self, grads: np.ndarray) -> np.ndarray:
+        """The compact table's gradient (distinct rows first) as one gradient row per key occurrence: each
+        distinct key's row at its first occurrence, zeros at the others. Pushed with every occurrence, as a
+        custom loop pushes them, so the PS counts each occurrence (admission, LFU frequency) and its sum of
+        the key's rows is the compact gradient."""
+        n = len(self.distinct)
+        out = np.zeros((len(self.keys),) + grads.shape[1:], dtype=np.float32)
+        out[self.first] = grads[:n]
+        return out
+
+
+def _model_inputs(x: Any, num_inputs: int) -> list[Any] | None:
     if isinstance(x, (list, tuple)) and len(x) == num_inputs:
-        xs = list(x)
-    elif num_inputs == 1 and hasattr(x, "shape"):
-        xs = [x]
+        return list(x)
+    if num_inputs == 1 and hasattr(x, "shape"):
+        return [x]
+    return None
+
+
+def _compact_keys(raw: Any, key_dtype: str) -> tuple[np.ndarray, DynamicKeys]:
+    """``(the keys renumbered into the compact table (int32, the keys' shape), the step's DynamicKeys)``."""
+    arr = np.asarray(raw) if key_dtype == "int64" else np.asarray(raw, dtype=object)
+    if key_dtype == "int64":
+        if arr.dtype.kind not in "iu":
+            raise ConfigurationError(f"a DynamicEmbedding with int64 keys got keys of dtype {arr.dtype}")
+        flat = arr.reshape(-1).astype(np.int64)
+        distinct, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
+        keys: np.ndarray | list[str] = flat
+        uniq: np.ndarray | list[str] = distinct
     else:
+        flat_s = [k.decode("utf-8") if isinstance(k, bytes) else k for k in arr.reshape(-1).tolist()]
+        at: dict[Any, int] = {}
+        firsts: list[int] = []
+        inv = np.empty(len(flat_s), dtype=np.int64)
+        for i, k in enumerate(flat_s):
+            j = at.get(k)
+            if j is None:
+                j = at[k] = len(firsts)
+                firsts.append(i)
+            inv[i] = j
+        keys, uniq, first, inverse = flat_s, list(at), np.asarray(firsts, dtype=np.int64), inv
+    return inverse.reshape(arr.shape).astype(np.int32), DynamicKeys(keys, uniq, first, bucket(len(uniq)))
+
+
+def compact_batch(x: Any, sparse: list[SparseEmbedding], dynamic: list[DynamicSlot],
+                  num_inputs: int) -> tuple[Any, list[Rows], list[DynamicKeys]] | None:
+    """``x`` with each row-sparse layer's ids and each dynamic layer's keys renumbered into compact tables,
+    the rows to read of the first and the keys of the second.
+
+    None when ``x`` is not laid out as the model's inputs and the model has no dynamic layer (the step then
+    runs dense).
+
+    Raises:
+        ConfigurationError: ``x`` is not laid out as the model's inputs and the model has a dynamic layer.
+    """
+    xs = _model_inputs(x, num_inputs)
+    if xs is None:
+        if dynamic:
+            raise ConfigurationError(
+                "a model with jaxdist.keras.layers.DynamicEmbedding takes its batch's inputs as an array (one input) "
+                f"or a list/tuple of {num_inputs} arrays in the model's input order, not {type(x).__name__}")
         return None
     rows = []
     for e in sparse:
@@ -120,13 +234,51 @@ def compact_inputs(x: Any, sparse: list[SparseEmbedding], num_inputs: int) -> tu
         uniq, inverse = np.unique(ids, return_inverse=True)
         xs[e.input_index] = inverse.reshape(ids.shape).astype(ids.dtype)
         rows.append(Rows(uniq.astype(np.int64), bucket(len(uniq))))
+    keys = []
+    for d in dynamic:
+        xs[d.input_index], k = _compact_keys(xs[d.input_index], d.table.config.key_dtype)
+        keys.append(k)
     if isinstance(x, (list, tuple)):
-        return type(x)(xs), rows
-    return xs[0], rows
+        return type(x)(xs), rows, keys
+    return xs[0], rows, keys
 
 
-def padded(values: np.ndarray, size: int) -> np.ndarray:
-    """``values`` (rows) padded with zero rows to ``size`` rows (the padding is never looked up)."""
-    if len(values) == size:
-        return values
-    return np.concatenate([values, np.zeros((size - len(values),) + values.shape[1:], values.dtype)])
+def renumber_dynamic_inputs(model: Any, batch: Any) -> Any:
+    """``batch`` with the keys of ``model``'s DynamicEmbedding layers renumbered as a worker's step renumbers them
+    (what the coordinator builds the model and its compiled metrics from: Keras cannot make symbolic tensors
+    of string keys). ``batch`` unchanged when the model has no such layer."""
+    layers = dynamic_embeddings(model)
+    if not layers:
+        return batch
+    x, y, sw = compat.unpack_x_y_sample_weight(batch)
+    xs = _model_inputs(x, len(model.inputs))
+    if xs is None:
+        raise ConfigurationError(
+            "a model with jaxdist.keras.layers.DynamicEmbedding takes its batch's inputs as an array (one input) or "
+            f"a list/tuple of arrays in the model's input order, not {type(x).__name__}")
+    for layer, at in layers:
+        xs[at] = _compact_keys(xs[at], layer.key_dtype)[0]
+    return compat.pack_x_y_sample_weight(type(x)(xs) if isinstance(x, (list, tuple)) else xs[0], y, sw)
+
+
+def with_compact_tables(model_json: str, rows: dict[str, int]) -> str:
+    """``model_json`` with each DynamicEmbedding named in ``rows`` given a compact table of that many rows, and
+    string inputs declared int32 (a worker's copy gets the keys renumbered: no string reaches the model)."""
+    config = json.loads(model_json)
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            cfg = node.get("config")
+            if isinstance(cfg, dict):
+                if node.get("class_name") == "DynamicEmbedding" and cfg.get("name") in rows:
+                    cfg["compact_rows"] = rows[cfg["name"]]
+                elif node.get("class_name") == "InputLayer" and cfg.get("dtype") == "string":
+                    cfg["dtype"] = "int32"
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(config)
+    return json.dumps(config)

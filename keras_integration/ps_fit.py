@@ -19,7 +19,8 @@ As tf.keras did under ``ParameterServerStrategy`` (TF's rules):
   TF's exact inline evaluation: every batch is evaluated exactly once, also
   when workers die (jaxdist's exactly-once data ledger).
 - ``predict``: on the coordinator, with the PS's current weights (Keras's own
-  ``predict`` after :meth:`PSModel.sync`).
+  ``predict`` after :meth:`PSModel.sync`; a model with DynamicEmbedding layers
+  runs a copy of the model per batch, with the batch's rows looked up).
 
 Keras's own ``CallbackList`` (``History``, the progress bar, user callbacks)
 runs on the coordinator. Metrics are exact: each closure returns the Keras
@@ -54,8 +55,10 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.base.input_context import InputContext
 from jaxdist.keras import compat
 from jaxdist.keras.data import DatasetCreator, call_dataset_fn
+from jaxdist.keras.ps_embedding import dynamic_embeddings, renumber_dynamic_inputs
 from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
 from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
+from jaxdist.keras.ps_worker import predict as ps_predict
 
 logger = logging.getLogger(__name__)
 
@@ -169,6 +172,17 @@ def _refuse_coordinator_only_restores(callbacks: Any) -> None:
                 "servers' variables and optimizer state: use jaxdist.keras.BackupAndRestore (same arguments)")
 
 
+def _refuse_keras_saves(callbacks: Any) -> None:
+    """Before any step: a Keras ModelCheckpoint would fail at its first save (DynamicEmbedding's table has no Keras
+    weights to write), after training an epoch."""
+    for cb in callbacks or ():
+        if isinstance(cb, keras.callbacks.ModelCheckpoint):
+            raise ConfigurationError(
+                f"{type(cb).__name__} saves Keras weights, and this model's jaxdist.keras.layers.DynamicEmbedding "
+                "tables live on the parameter servers, not in them: back up with jaxdist.keras.BackupAndRestore (or "
+                "jaxdist.Checkpoint(strategy)), which save and restore the tables with the model's variables")
+
+
 def _is_arrays(x: Any) -> bool:
     leaves = keras.tree.flatten(x) if isinstance(x, (list, tuple, dict)) else [x]
     return bool(leaves) and all(hasattr(a, "shape") and hasattr(a, "__array__") for a in leaves)
@@ -275,7 +289,10 @@ def _check_metric_aggregation(model: Any) -> None:
 
 def _build(model: Any, batch: Any) -> PSModel:
     """Build the model, its compiled loss and metrics from one batch (as Keras's fit does), then its PS state."""
-    compat.symbolic_build(model, batch)
+    if model.built and dynamic_embeddings(model):
+        _build_compiled(model, renumber_dynamic_inputs(model, batch))
+    else:
+        compat.symbolic_build(model, batch)
     _check_metric_aggregation(model)
     pm = ps_model(model)
     assert pm is not None
@@ -284,6 +301,25 @@ def _build(model: Any, batch: Any) -> PSModel:
             f"Keras model {model.name!r} has its variables on the parameter servers with optimizer "
             f"{pm.optimizer.name!r} (a custom loop in closures made them): fit/evaluate it compiled with that optimizer")
     return pm
+
+
+def _build_compiled(model: Any, batch: Any) -> None:
+    """Build a built model's compiled loss and metrics (and its optimizer) from one batch, as Keras's fit does
+    first, without calling the model: its predictions are stood in for by zeros of its outputs' shapes.
+
+    For models with DynamicEmbedding layers, whose declared inputs may be strings (no JAX array holds them: the
+    workers renumber the keys before the model sees them, which Keras's own symbolic build cannot). The metric
+    states this leaves are reset (:meth:`PSModel.spec` resets them before they travel).
+    """
+    x, y, sample_weight = compat.unpack_x_y_sample_weight(batch)
+    rows = len(keras.tree.flatten(y)[0]) if y is not None else len(keras.tree.flatten(x)[0])
+    outs = [np.zeros((rows,) + tuple(t.shape[1:]), dtype=t.dtype) for t in model.outputs]
+    y_pred = outs[0] if len(outs) == 1 else outs
+    model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=False)
+    model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+    model.reset_metrics()
+    if model.optimizer is not None and not model.optimizer.built:
+        model.optimizer.build(model.trainable_variables)
 
 
 def _steps_per_execution(model: Any) -> int:
@@ -331,6 +367,8 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     if first_batch is None:
         first_batch = next(iter(call_dataset_fn(fn, InputContext(max(1, coord.num_workers), 0, 1))))
     pm = _build(model, first_batch)
+    if pm.dynamic:
+        _refuse_keras_saves(callbacks)
     spec = pm.spec()
     spe = _steps_per_execution(model)
     fns = {k: TrainSteps(spec, k) for k in {spe, steps_per_epoch % spe} if k}
@@ -459,8 +497,11 @@ def _run_evaluation(model: Any, coord: Any, pm: PSModel, it: Any, num_batches: i
 
 
 def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Keras's own ``predict`` on the coordinator, with the PS's current weights."""
+    """Keras's own ``predict`` on the coordinator, with the PS's current weights (a model with DynamicEmbedding
+    layers: :func:`_predict_dynamic`)."""
     pm = ps_model(model)
+    if pm is not None and pm.dynamic:
+        return _predict_dynamic(model, pm, *args, **kwargs)
     if pm is not None:
         pm.sync()
     previous = keras.distribution.distribution()
@@ -469,6 +510,24 @@ def predict(model: Any, method: Callable[..., Any], *args: Any, **kwargs: Any) -
         return method(model, *args, **kwargs)
     finally:
         keras.distribution.set_distribution(previous)
+
+
+def _predict_dynamic(model: Any, pm: PSModel, x: Any, batch_size: int | None = None, verbose: Any = "auto",
+                     steps: int | None = None, callbacks: Any = None) -> Any:
+    """``predict`` of a model with DynamicEmbedding layers, on the coordinator: each batch's keys are looked up
+    in their tables (a pure read: keys not admitted read the default vector, admitted keys without a row their
+    initializer row), the other variables are the PS's current values. Arrays only; ``verbose`` shows a
+    progress bar (Keras's ``Progbar``) per batch."""
+    if not _is_arrays(x):
+        raise ValueError("predict under ParameterServerStrategy of a model with DynamicEmbedding layers takes arrays "
+                         f"(one per model input), not {type(x).__name__}")
+    _refuse("callbacks", callbacks, None, "predict of a model with DynamicEmbedding layers runs no callbacks")
+    data = ArrayBatches(x, None, None, 32 if batch_size is None else batch_size)
+    count = len(data) if steps is None else min(int(steps), len(data))
+    bar = keras.utils.Progbar(count) if verbose not in (0, "0") else None
+    outs = ps_predict(pm.spec(), [data[i][0] for i in range(count)],
+                      progress=None if bar is None else (lambda i: bar.update(i + 1)))
+    return keras.tree.map_structure(lambda *parts: np.concatenate(parts), *outs)
 
 
 def route(model: Any, name: str, method: Callable[..., Any]) -> Callable[..., Any] | None:

@@ -35,15 +35,15 @@ from keras.distribution import DeviceMesh, TensorLayout
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras import compat
 from jaxdist.keras.compat import Distribution
-from jaxdist.keras.ps_embedding import sparse_embeddings
-from jaxdist.keras.ps_optimizers import clipping_of, learning_rate_of, row_local, to_optax
+from jaxdist.keras.ps_embedding import DynamicSlot, dynamic_embeddings, sparse_embeddings
+from jaxdist.keras.ps_optimizers import clipping_of, dynamic_row_rule, learning_rate_of, row_local, to_optax
 from jaxdist.ps_server.optimizer import lazy_rows
 from jaxdist.keras.ps_worker import ModelSpec
 from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "lazy_embeddings", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
+__all__ = ["PSDistribution", "PSModel", "dynamic_tables", "lazy_embeddings", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
            "sync_from_ps"]
 
 _lock = threading.Lock()
@@ -106,6 +106,14 @@ def ps_strategy_of(model: Any) -> Any:
         with _lock:
             if _owned.get(id(v)) is v:
                 return _owner[id(v)].strategy
+    # A model whose only trainable state is dynamic tables (two DynamicEmbedding layers and a dot product) has no
+    # Keras variable on the coordinator: its layers know their strategy.
+    from jaxdist.keras.layers import DynamicEmbedding
+
+    if isinstance(model, keras.layers.Layer):
+        for layer in compat.flatten_layers(model):
+            if isinstance(layer, DynamicEmbedding) and layer.ps_strategy is not None:
+                return layer.ps_strategy
     return None
 
 
@@ -151,6 +159,9 @@ class PSModel:
         self.lazy = _lazy.get(model, False)
         self.sparse = sparse_embeddings(model)
         self.learning_rate = learning_rate_of(self.optimizer)
+        #: DynamicEmbedding layers and their dynamic tables (made first: an optimizer they cannot use is refused
+        #: before any PS variable exists).
+        self.dynamic = self._dynamic_tables(model, strategy)
         self.uid = uuid.uuid4().hex[:12]
         self.trainable = [strategy.create_variable(np.asarray(v.value), name=f"keras/{_safe(v.path)}", optimizer=tx)
                           for v, tx in zip(model.trainable_variables, self._optimizers())]
@@ -162,6 +173,40 @@ class PSModel:
         self._spec: ModelSpec | None = None
         logger.info("Keras model %s: %d trainable, %d non-trainable variables on %d PS tasks", model.name,
                     len(self.trainable), len(self.non_trainable), strategy.num_ps)
+
+    def _dynamic_tables(self, model: Any, strategy: Any) -> list[DynamicSlot]:
+        """One :class:`jaxdist.DynamicEmbedding` table per DynamicEmbedding layer, with the optimizer's per-row rule."""
+        layers = dynamic_embeddings(model)
+        if not layers:
+            return []
+        from jaxdist.dynamic_embedding import DynamicEmbedding as Table
+
+        rule, lr, options = dynamic_row_rule(self.optimizer, self.lazy)
+        configs = [layer.table_config(rule, lr, **options) for layer, _ in layers]
+        names = [cfg.name for cfg in configs]
+        # Every check before any table is made (a refused model leaves no table behind).
+        for (layer, _), cfg in zip(layers, configs):
+            if layer.ps_strategy is not strategy:
+                raise ConfigurationError(f"DynamicEmbedding {layer.name!r} was made in another strategy's scope")
+            if cfg.name in strategy.dynamic_tables or names.count(cfg.name) > 1:
+                raise ConfigurationError(
+                    f"DynamicEmbedding {layer.name!r}: this strategy has another dynamic table named {cfg.name!r} "
+                    "(another layer of that name, in this model or another?): give each layer its own table_name")
+        out = []
+        for (layer, input_index), cfg in zip(layers, configs):
+            with strategy.scope():
+                table = Table(
+                    cfg.row_shape, name=cfg.name, key_dtype=cfg.key_dtype, dtype=cfg.dtype, initializer=cfg.initializer,
+                    init_scale=cfg.init_scale, seed=cfg.seed, default_value=cfg.default_value, optimizer=rule,
+                    learning_rate=lr, optimizer_options=options, min_count=cfg.admission.min_count,
+                    admit_probability=cfg.admission.probability, max_pending=cfg.admission.max_pending,
+                    capacity=cfg.eviction.capacity, eviction_policy=cfg.eviction.policy,
+                    ttl_steps=cfg.eviction.ttl_steps, max_bytes_per_shard=cfg.max_bytes)
+            assert table.config == cfg, (table.config, cfg)
+            out.append(DynamicSlot(layer.name, input_index, table))
+        logger.info("Keras model %s: %d dynamic table(s) on %d PS tasks, per-row rule %s (learning rate %g)",
+                    model.name, len(out), strategy.num_ps, rule, lr)
+        return out
 
     def _optimizers(self) -> list[Any]:
         """Each trainable variable's PS optimizer: Keras's rule, with weight decay where Keras decays it; a
@@ -194,7 +239,8 @@ class PSModel:
             m.reset_metrics()
             self._spec = ModelSpec(self.uid, m.to_json(), m.get_compile_config(), self.trainable, self.non_trainable,
                                    self.iterations, [np.asarray(v.value) for v in m.metrics_variables],
-                                   clipping_of(self.optimizer), self.sparse, len(getattr(m, "inputs", None) or []))
+                                   clipping_of(self.optimizer), self.sparse, len(getattr(m, "inputs", None) or []),
+                                   self.dynamic)
         return self._spec
 
     def check_learning_rate(self) -> None:
@@ -255,6 +301,22 @@ def ps_variables(model: Any) -> list[Any]:
     return list(got.trainable)
 
 
+def dynamic_tables(model: Any) -> dict[str, Any]:
+    """The dynamic tables of ``model``'s :class:`jaxdist.keras.layers.DynamicEmbedding` layers, by layer name: each a
+    :class:`jaxdist.DynamicEmbedding` (``lookup``, ``stats``; saved by :class:`jaxdist.Checkpoint`).
+
+    Raises:
+        ConfigurationError: ``model`` was not built in a ParameterServerStrategy's scope, or has not been
+            fitted or evaluated yet (its tables are made on the PS then, with the optimizer's per-row rule).
+    """
+    with _lock:
+        got = _models.get(model)
+    if got is None:
+        raise ConfigurationError("this Keras model has no tables on parameter servers (yet): build and compile it "
+                                 "in ParameterServerStrategy.scope(), then fit or evaluate it")
+    return {d.layer: d.table for d in got.dynamic}
+
+
 def sync_from_ps(model: Any) -> bool:
     """Copy the PS's current values into ``model``'s Keras variables when its state lives on the PS.
 
@@ -292,6 +354,9 @@ def lazy_embeddings(model: Any, lazy: bool = True) -> Any:
       (and the step count) change; O(rows) on the PS. Not Keras's result for
       optimizers with state (momentum, Adam, RMSprop, ...) or weight decay;
       for ``SGD`` without momentum and ``Adagrad`` both modes are the same.
+
+    A model with :class:`jaxdist.keras.layers.DynamicEmbedding` layers compiled with ``Adam`` needs the lazy
+    mode: a dynamic table holds no state for the keys a step does not look up.
 
     Call it after building ``model`` in the strategy's scope, before its
     first ``fit``/``evaluate`` (the PS variables are made then). Dense

@@ -37,7 +37,7 @@ from jaxdist.keras import compat
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["UnsupportedOptimizerError", "clipping_of", "learning_rate_of", "row_local", "to_optax"]
+__all__ = ["UnsupportedOptimizerError", "clipping_of", "dynamic_row_rule", "learning_rate_of", "row_local", "to_optax"]
 
 
 class UnsupportedOptimizerError(ConfigurationError):
@@ -141,6 +141,63 @@ def row_local(optimizer: Any) -> bool:
     if type(optimizer) is keras.optimizers.SGD:
         return float(optimizer.momentum) == 0.0
     return type(optimizer) is keras.optimizers.Adagrad
+
+
+#: What a DynamicEmbedding layer's table can apply, named by every refusal.
+_DYNAMIC_SUPPORTED = ("SGD (without momentum or nesterov), Adagrad, and Adam (without amsgrad) in the lazy mode "
+                      "(jaxdist.keras.lazy_embeddings(model)), each with a constant learning rate and no weight decay")
+
+
+def dynamic_row_rule(optimizer: Any, lazy: bool) -> tuple[str, float, dict[str, float]]:
+    """The per-row rule of a dynamic table trained by ``optimizer``: ``(name, learning rate, options)`` for
+    :class:`~jaxdist.ps_server.dynamic_table.RowOptimizer`.
+
+    A dynamic table keeps optimizer state for its rows only and updates the rows a push names only, so the
+    rules are the row-local ones: ``SGD`` without momentum -> ``"sgd"`` and ``Adagrad`` -> ``"adagrad"``
+    (Keras's own results: a row with zero gradient would not move), and ``Adam`` -> ``"lazy_adam"`` (per-row
+    moments and step count, TF's LazyAdam) only in the lazy mode (``lazy``: :func:`jaxdist.keras.lazy_embeddings`),
+    since it is not Keras's dense Adam.
+
+    Raises:
+        UnsupportedOptimizerError: any other optimizer or setting (momentum, nesterov, amsgrad, weight decay,
+            a schedule, EMA, loss scaling, gradient accumulation), or Adam outside the lazy mode.
+    """
+    import keras
+
+    _check_base(optimizer)
+    name = type(optimizer).__name__
+    lr = learning_rate_of(optimizer)
+    wd = optimizer.weight_decay
+    o = keras.optimizers
+    kind = type(optimizer)
+    refused = None
+    if wd is not None and float(wd) != 0.0:
+        refused = f"{name}(weight_decay={float(wd)})"
+    elif kind is o.SGD:
+        if float(optimizer.momentum) != 0.0 or bool(optimizer.nesterov):
+            refused = f"SGD(momentum={float(optimizer.momentum)}, nesterov={bool(optimizer.nesterov)})"
+        else:
+            return "sgd", lr, {}
+    elif kind is o.Adagrad:
+        return "adagrad", lr, {"initial_accumulator": float(optimizer.initial_accumulator_value),
+                               "eps": float(optimizer.epsilon)}
+    elif kind is o.Adam:
+        if bool(optimizer.amsgrad):
+            refused = "Adam(amsgrad=True)"
+        elif not lazy:
+            raise UnsupportedOptimizerError(
+                "a jaxdist.keras.layers.DynamicEmbedding table has no rows (and no optimizer state) for the keys a "
+                "step does not look up, so Adam can only be applied to it lazily (per-row moments and step count, "
+                "TF's LazyAdam), which is not Keras's Adam: choose that with jaxdist.keras.lazy_embeddings(model) "
+                "before the first fit (the model's other embedding tables are then lazy too), or use SGD or Adagrad")
+        else:
+            return "lazy_adam", lr, {"b1": float(optimizer.beta_1), "b2": float(optimizer.beta_2),
+                                     "eps": float(optimizer.epsilon)}
+    else:
+        refused = name
+    raise UnsupportedOptimizerError(
+        f"a jaxdist.keras.layers.DynamicEmbedding table cannot be trained with {refused}: its rows are updated per "
+        f"row on the parameter servers, with {_DYNAMIC_SUPPORTED}")
 
 
 def _with_weight_decay(rule: optax.GradientTransformation, lr: float, wd: float) -> optax.GradientTransformation:

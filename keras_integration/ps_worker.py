@@ -10,13 +10,18 @@ every step:
   of a row-sparse embedding only the rows the batch looks up:
   :mod:`jaxdist.keras.ps_embedding`, the rows of every table in one more call
   per PS task: :func:`read_rows`);
+- reads the rows of the batch's distinct keys of each
+  :class:`jaxdist.keras.layers.DynamicEmbedding` from its dynamic table (one
+  lookup per PS task holding keys), into the copy's compact table;
 - runs Keras's own stateless step (``compute_loss_and_updates`` under
   ``jax.value_and_grad``, then Keras's metric update), jit-compiled once;
 - training: pushes, in one atomic push per PS task, the gradients (applied
   by the PS's optimizer), the new non-trainable values (assigned) and ``+1``
   on the PS step counter. Inside a closure the push carries the closure's
   identity, so a closure re-run after a worker failure never applies a step
-  twice, and the step counter counts each step exactly once.
+  twice, and the step counter counts each step exactly once. Before it, each
+  dynamic table gets its gradient rows (one DynamicPush per PS task holding
+  keys), with the closure's identity too.
 
 A closure returns the Keras metric variables it accumulated over its steps
 (starting from their reset values); the coordinator adds them up
@@ -39,13 +44,23 @@ from jaxdist.base.errors import ConfigurationError
 from jaxdist.cluster_coordinator.datasets import StepsPerExecution
 from jaxdist.keras import compat
 from jaxdist.proto.ps_wire import Op, PullSpec
-from jaxdist.keras.ps_embedding import Rows, SparseEmbedding, compact_inputs, with_input_dims
+from jaxdist.keras.ps_embedding import (
+    DynamicKeys,
+    DynamicSlot,
+    Rows,
+    SparseEmbedding,
+    compact_batch,
+    padded,
+    with_compact_tables,
+    with_input_dims,
+)
 from jaxdist.variables import SparseGradient, gradient_updates, pull, pull_specs, push_updates, split_update
 from jaxdist.worker.context import current_worker_index
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "SkipBatches", "RepeatingDataset", "worker_model"]
+__all__ = ["ModelSpec", "TrainSteps", "EvalSteps", "SkipBatches", "RepeatingDataset", "predict", "predict_model",
+           "worker_model"]
 
 
 class ModelSpec:
@@ -53,7 +68,8 @@ class ModelSpec:
 
     def __init__(self, uid: str, model_json: str, compile_config: dict[str, Any], trainable: list[Any],
                  non_trainable: list[Any], iterations: Any, metric_init: list[np.ndarray],
-                 clipping: dict[str, float], sparse: list[SparseEmbedding], num_inputs: int) -> None:
+                 clipping: dict[str, float], sparse: list[SparseEmbedding], num_inputs: int,
+                 dynamic: list[DynamicSlot] | None = None) -> None:
         self.uid = uid
         self.model_json = model_json
         self.compile_config = compile_config
@@ -65,22 +81,24 @@ class ModelSpec:
         #: Row-sparse Embedding layers (only looked-up rows move: :mod:`jaxdist.keras.ps_embedding`).
         self.sparse = sparse
         self.num_inputs = num_inputs
+        #: DynamicEmbedding layers (rows looked up in, gradients pushed to, their dynamic tables).
+        self.dynamic = list(dynamic or [])
 
 
 class _WorkerModel:
     """A worker's copy of the model (built from the spec) and its jitted steps.
 
-    ``dims`` (row-sparse embeddings): the compact tables' row counts, one per
-    :attr:`ModelSpec.sparse` layer; the copy's layers have that ``input_dim``.
+    ``dims`` (row-sparse and dynamic embeddings): the compact tables' row counts, one per
+    :attr:`ModelSpec.sparse` layer (the copy's layers have that ``input_dim``), then one per
+    :attr:`ModelSpec.dynamic` layer (the copy's DynamicEmbedding has a compact table of that many rows:
+    a trainable variable the coordinator's model does not have, at :attr:`dynamic_index` among the
+    copy's trainable variables).
     """
 
     def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
         import keras
 
-        model_json = spec.model_json
-        if dims is not None:
-            model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
-        model = keras.models.model_from_json(model_json)
+        model = keras.models.model_from_json(_copy_json(spec, dims))
         config = dict(spec.compile_config)
         # The PS runs the optimizer; the worker's copy needs one without slots (Keras's loss computation
         # reads the optimizer's variables: its step and learning rate) that clips gradients as the user's does.
@@ -90,6 +108,8 @@ class _WorkerModel:
         self.spec = spec
         self.lock = threading.Lock()
         self._built = False
+        #: Where each dynamic layer's compact table is among the copy's trainable variables.
+        self.dynamic_index: list[int] = []
         self._train = jax.jit(self._train_step)
         self._test = jax.jit(compat.stateless_test_step(model))
 
@@ -98,8 +118,10 @@ class _WorkerModel:
             return
         compat.symbolic_build(self.model, batch)
         m = self.model
+        self.dynamic_index = _dynamic_index(m, self.spec)
         if (len(m.trainable_variables), len(m.non_trainable_variables), len(m.metrics_variables)) != (
-                len(self.spec.trainable), len(self.spec.non_trainable), len(self.spec.metric_init)):
+                len(self.spec.trainable) + len(self.spec.dynamic), len(self.spec.non_trainable),
+                len(self.spec.metric_init)):
             raise ConfigurationError(
                 "the Keras model rebuilt on the worker from its config has other variables than the coordinator's "
                 f"({len(m.trainable_variables)}/{len(m.non_trainable_variables)}/{len(m.metrics_variables)} "
@@ -126,7 +148,55 @@ class _WorkerModel:
         return metrics
 
 
+def _copy_json(spec: ModelSpec, dims: tuple[int, ...] | None) -> str:
+    """The JSON of a copy of ``spec``'s model with compact tables of ``dims`` rows (see :class:`_WorkerModel`)."""
+    model_json = spec.model_json
+    if dims is not None:
+        model_json = with_input_dims(model_json, {e.layer: d for e, d in zip(spec.sparse, dims)})
+        if spec.dynamic:
+            model_json = with_compact_tables(
+                model_json, {d.layer: n for d, n in zip(spec.dynamic, dims[len(spec.sparse):])})
+    return model_json
+
+
+def _dynamic_index(model: Any, spec: ModelSpec) -> list[int]:
+    """Where each dynamic layer's compact table is among ``model``'s (a built copy's) trainable variables."""
+    if not spec.dynamic:
+        return []
+    by_name = {layer.name: layer for layer in compat.flatten_layers(model)}
+    tables = [by_name[d.layer].embeddings for d in spec.dynamic]
+    return [next(i for i, v in enumerate(model.trainable_variables) if v is t) for t in tables]
+
+
+class _PredictModel:
+    """A copy of the model for ``predict`` on the coordinator (compact tables of ``dims`` rows; not compiled):
+    the forward pass only, jit-compiled once per size class."""
+
+    def __init__(self, spec: ModelSpec, dims: tuple[int, ...] | None) -> None:
+        import keras
+
+        model = keras.models.model_from_json(_copy_json(spec, dims))
+        if not model.built:
+            raise ConfigurationError("predict under ParameterServerStrategy of a model with DynamicEmbedding layers "
+                                     "needs a model built from keras.Input (a functional or Sequential model)")
+        self.model = model
+        self.dynamic_index = _dynamic_index(model, spec)
+        self.lock = threading.Lock()
+        self._predict = jax.jit(self._forward)
+
+    def _forward(self, trainable: Any, non_trainable: Any, x: Any) -> Any:
+        outputs, _ = self.model.stateless_call(trainable, non_trainable, x, training=False)
+        return outputs
+
+    def build(self, batch: Any) -> None:
+        """Nothing to build: the copy is built from its inputs' declaration."""
+
+    def predict(self, state: tuple[list[Any], list[Any]], x: Any) -> Any:
+        return self._predict(state[0], state[1], x)
+
+
 _models: dict[tuple[str, int, tuple[int, ...] | None], _WorkerModel] = {}
+_predict_models: dict[tuple[str, tuple[int, ...] | None], _PredictModel] = {}
 _models_lock = threading.Lock()
 
 
@@ -142,23 +212,38 @@ def worker_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _Worke
         return wm
 
 
-class _Step:
-    """One batch on the worker: the model copy to run, the batch for it, and the rows of its sparse tables."""
+def predict_model(spec: ModelSpec, dims: tuple[int, ...] | None = None) -> _PredictModel:
+    """The coordinator's copy of ``spec``'s model for ``predict`` (with compact tables of ``dims`` rows), made
+    on first use."""
+    key = (spec.uid, dims)
+    with _models_lock:
+        pm = _predict_models.get(key)
+        if pm is None:
+            pm = _predict_models[key] = _PredictModel(spec, dims)
+        return pm
 
-    def __init__(self, spec: ModelSpec, batch: Any) -> None:
+
+class _Step:
+    """One batch on the worker: the model copy to run, the batch for it, the rows of its sparse tables and the
+    keys of its dynamic tables. ``copy``: which copy of the model runs it (a worker's :func:`worker_model`, or
+    :func:`predict_model` for ``predict`` on the coordinator)."""
+
+    def __init__(self, spec: ModelSpec, batch: Any, copy: Any = None) -> None:
+        copy = worker_model if copy is None else copy
         self.spec = spec
         self.rows: dict[int, Rows] = {}
-        if spec.sparse:
+        self.keys: list[DynamicKeys] = []
+        if spec.sparse or spec.dynamic:
             x, y, sw = compat.unpack_x_y_sample_weight(batch)
-            got = compact_inputs(x, spec.sparse, spec.num_inputs)
+            got = compact_batch(x, spec.sparse, spec.dynamic, spec.num_inputs)
             if got is not None:
-                x, rows = got
+                x, rows, self.keys = got
                 self.rows = {e.trainable_index: r for e, r in zip(spec.sparse, rows)}
-                self.model = worker_model(spec, tuple(r.size for r in rows))
+                self.model = copy(spec, tuple(r.size for r in rows) + tuple(k.size for k in self.keys))
                 self.batch = compat.pack_x_y_sample_weight(x, y, sw)
                 self.model.build(self.batch)
                 return
-        self.model = worker_model(spec)
+        self.model = copy(spec)
         self.batch = batch
         self.model.build(batch)
 
@@ -167,12 +252,34 @@ class _Step:
         return [v for i, v in enumerate(self.spec.trainable) if i not in self.rows] + self.spec.non_trainable
 
     def state(self, dense_values: list[Any]) -> tuple[list[Any], list[Any]]:
-        """``(trainable, non_trainable)`` values: the dense ones given, the sparse tables' rows read now."""
+        """``(trainable, non_trainable)`` values of the model copy: the dense ones given, the sparse tables' rows
+        and the dynamic tables' rows read now."""
         it = iter(dense_values)
         order = sorted(self.rows)
         read = dict(zip(order, read_rows([self.spec.trainable[i] for i in order], [self.rows[i] for i in order])))
         trainable = [next(it) if i not in read else read[i] for i in range(len(self.spec.trainable))]
+        # The copy's compact dynamic tables, each at its place (ascending: each insert lands at its final index).
+        for pos, rows in sorted(zip(self.model.dynamic_index, self.dynamic_rows()), key=lambda p: p[0]):
+            trainable.insert(pos, rows)
         return trainable, list(it)
+
+    def dynamic_rows(self) -> list[np.ndarray]:
+        """Each dynamic table's rows of the step's distinct keys (a pure read), zero-padded to its compact size."""
+        return [padded(d.table.lookup(k.distinct), k.size) for d, k in zip(self.spec.dynamic, self.keys)]
+
+    def split_grads(self, grads: list[Any]) -> tuple[list[Any], list[np.ndarray]]:
+        """The copy's gradients as ``(the coordinator model's trainable variables', the dynamic tables')``."""
+        if not self.keys:
+            return list(grads), []
+        dyn = set(self.model.dynamic_index)
+        return ([g for i, g in enumerate(grads) if i not in dyn],
+                [np.asarray(grads[i]) for i in self.model.dynamic_index])
+
+    def push_dynamic(self, grads: list[np.ndarray]) -> None:
+        """Push each dynamic table's gradient rows, one row per key occurrence (exactly once: the closure's
+        identity, counted per table)."""
+        for d, k, g in zip(self.spec.dynamic, self.keys, grads):
+            d.table.apply_gradients(k.keys, k.occurrence_grads(g))
 
     def updates(self, grads: list[Any], non_trainable: list[Any]) -> list[Any]:
         """The step's pushes: gradients (row-sparse for the sparse tables), non-trainable values, step counter +1."""
@@ -235,6 +342,10 @@ def train(spec: ModelSpec, batches: Iterator[Any], steps: int) -> list[Any]:
         with step.model.lock:
             state = step.state(pull(step.dense_variables()))
             grads, non_trainable, metrics = step.model.train(state, metrics, step.batch)
+            grads, dynamic_grads = step.split_grads(grads)
+            # The dynamic tables first: a push they refuse (a typed error: NaN, the memory bound) changes nothing
+            # there, and the step's other pushes are then not made either.
+            step.push_dynamic(dynamic_grads)
             push_updates(step.updates(grads, non_trainable))
     return metrics
 
@@ -245,12 +356,34 @@ def evaluate(spec: ModelSpec, batches: Any) -> list[Any]:
     dense: dict[int, list[Any]] = {}  # evaluation changes no variable: each closure pulls the dense ones once
     while len(batches) > 0:
         step = _Step(spec, next(batches))
-        key = len(step.rows)
+        key = len(step.rows)  # (the dynamic tables' rows are read per batch, by step.state)
         if key not in dense:
             dense[key] = pull(step.dense_variables())
         with step.model.lock:
             metrics = step.model.test(step.state(dense[key]), metrics, step.batch)
     return metrics
+
+
+def predict(spec: ModelSpec, batches: Sequence[Any], progress: Any = None) -> list[Any]:
+    """The model's outputs (numpy) for each batch of inputs ``batches`` (``predict`` on the coordinator of a model
+    with DynamicEmbedding layers: their rows and the row-sparse tables' are read per batch, the dense variables
+    once); ``progress(i)`` is called after batch ``i``."""
+    import keras
+
+    outs = []
+    dense: dict[int, list[Any]] = {}
+    for i, x in enumerate(batches):
+        step = _Step(spec, (x,), copy=predict_model)
+        key = len(step.rows)
+        if key not in dense:
+            dense[key] = pull(step.dense_variables())
+        x_step, _, _ = compat.unpack_x_y_sample_weight(step.batch)
+        with step.model.lock:
+            out = step.model.predict(step.state(dense[key]), x_step)
+        outs.append(keras.tree.map_structure(np.asarray, out))
+        if progress is not None:
+            progress(i)
+    return outs
 
 
 def _metrics_out(metrics: list[Any]) -> list[np.ndarray]:

@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError
-from jaxdist.proto import codec, pickling, ps_pb2
+from jaxdist.proto import codec, common_pb2, pickling, ps_pb2
 
 __all__ = [
     "Op",
@@ -73,6 +73,8 @@ __all__ = [
     "encode_replica_install",
     "encode_replica_delete",
     "replica_payload_specs",
+    "dynamic_install_specs",
+    "out_of_band",
     "decode_replica_installs",
     "SyncKind",
     "SyncReport",
@@ -764,7 +766,29 @@ def replica_payload_specs(header: ps_pb2.ReplicaHeader, max_bytes: int) -> list[
         for e in header.installs:
             specs.append(codec.spec_from_proto(e.value, max_bytes))
             specs.extend(codec.spec_from_proto(s, max_bytes) for s in e.state)
+    # Dynamic tables' whole shards (a full sync, a restore forwarded) after the variables' arrays.
+    specs.extend(dynamic_install_specs(header.dynamic_installs, max_bytes))
     return specs
+
+
+def out_of_band(t: common_pb2.Tensor, max_bytes: int | None = None) -> ArraySpec | None:
+    """The spec of a dynamic install's array whose bytes travel as payload after the header (its
+    ``tensor`` carries a spec and no data, for a non-empty array), else None (inline)."""
+    if t.data or not t.HasField("spec"):
+        return None
+    spec = codec.spec_from_proto(t.spec, max_bytes)
+    return spec if codec.nbytes_of(*spec) > 0 else None
+
+
+def dynamic_install_specs(installs: Sequence[ps_pb2.DynamicInstall], max_bytes: int) -> list[ArraySpec]:
+    """The (shape, dtype) of every out-of-band array of ``installs``, in order (see :func:`out_of_band`)."""
+    out = []
+    for m in installs:
+        for a in m.arrays:
+            spec = out_of_band(a.tensor, max_bytes)
+            if spec is not None:
+                out.append(spec)
+    return out
 
 
 def decode_replica_installs(

@@ -127,16 +127,17 @@ class Replication:
         if self.backup:
             self._deliver(*ps_wire.encode_replica_update(updates, update_id, self.epoch))
 
-    def forward_dynamic(self, header: ps_pb2.ReplicaHeader) -> None:
-        """Forward a change of a dynamic table (``header``'s dynamic fields set), called while the
-        table's apply lock is held, so the backup gets its changes in the order they were applied."""
+    def forward_dynamic(self, header: ps_pb2.ReplicaHeader, payload: list[np.ndarray]) -> None:
+        """Forward a change of a dynamic table (``header``'s dynamic fields set; ``payload``: its
+        out-of-band arrays), called while the table's apply lock is held, so the backup gets its
+        changes in the order they were applied."""
         if getattr(self._from_primary, "active", False):
             return  # applying what the primary forwarded: nothing to forward
         if self.role != "primary":
             raise NotPrimaryError(f"this PS became a {self.role} (epoch {self.epoch}) during the change")
         if self.backup:
             header.epoch, header.kind = self.epoch, ps_pb2.REPLICA_DYNAMIC
-            self._deliver(header, [])
+            self._deliver(header, payload)
 
     def forward_install(self, names: Sequence[str]) -> None:
         """After creating/restoring ``names`` here: copy them to the backup."""
@@ -168,11 +169,14 @@ class Replication:
                     self._check_attach(epoch)
                     self.role, self.epoch, self.backup = "primary", epoch, ""
                 return 0, 0
-            with self.store.frozen() as snap, self._dynamic_frozen() as installs:
+            dynamic_payload: list[np.ndarray] = []
+            with self.store.frozen() as snap, self._dynamic_frozen(dynamic_payload) as installs:
                 variables = [(n, v, self.store.optimizer_of(n), s, ver) for n, v, s, ver in snap]
                 header, arrays = ps_wire.encode_replica_install(
                     variables, epoch, self._optimizer_blob, full_sync=True, applied_ids=self.store.applied_ids())
+                # The tables' arrays travel after the variables', chunked like them (no message limit).
                 header.dynamic_installs.extend(installs)
+                arrays += dynamic_payload
                 self._send(address, header, arrays)  # errors go to the coordinator, which retries
                 # Still under every lock: no push falls between the sync and forwarding, and
                 # every forward from here on carries the new epoch.
@@ -182,8 +186,8 @@ class Replication:
         logger.info("backup %s attached at epoch %d (%d variables)", address, epoch, len(variables))
         return len(variables), sum(a.nbytes for a in arrays)
 
-    def _dynamic_frozen(self) -> contextlib.AbstractContextManager[list[ps_pb2.DynamicInstall]]:
-        return self.dynamic.frozen() if self.dynamic is not None else contextlib.nullcontext([])
+    def _dynamic_frozen(self, payload: list[np.ndarray]) -> contextlib.AbstractContextManager[list[ps_pb2.DynamicInstall]]:
+        return self.dynamic.frozen(payload) if self.dynamic is not None else contextlib.nullcontext([])
 
     def _check_attach(self, epoch: int) -> None:
         if epoch < self.epoch:
@@ -229,18 +233,19 @@ class Replication:
             if header.full_sync:
                 self.store.replace_all(variables, list(header.applied_ids))
                 if self.dynamic is not None:
-                    self.dynamic.accept_installs(header.dynamic_installs, replace_all=True)
+                    n_var = sum(1 + len(e.state) for e in header.installs)
+                    self.dynamic.accept_installs(header.dynamic_installs, replace_all=True, payload=arrays[n_var:])
             else:
                 for name, value, opt, state, version in variables:
                     self.store.install(name, value, opt, state, version)
         elif header.kind == ps_pb2.REPLICA_DYNAMIC:
             assert self.dynamic is not None
-            self._accept_dynamic(header, self.dynamic)
+            self._accept_dynamic(header, self.dynamic, arrays)
         else:
             present = {i.name for i in self.store.info()}
             self.store.delete([n for n in header.deletes if n in present])
 
-    def _accept_dynamic(self, header: ps_pb2.ReplicaHeader, dynamic: DynamicTables) -> None:
+    def _accept_dynamic(self, header: ps_pb2.ReplicaHeader, dynamic: DynamicTables, payload: Sequence[np.ndarray]) -> None:
         """Apply a forwarded change of a dynamic table, exactly as the primary did (nothing forwarded on)."""
         self._from_primary.active = True
         try:
@@ -252,7 +257,7 @@ class Replication:
                 dynamic.push(p.table, decode_keys(p.keys, self.store.max_variable_bytes),
                              codec.tensor_from_proto(p.grads, self.store.max_variable_bytes), p.update_id)
             else:
-                dynamic.accept_installs(header.dynamic_installs, replace_all=False)
+                dynamic.accept_installs(header.dynamic_installs, replace_all=False, payload=payload)
         finally:
             self._from_primary.active = False
 

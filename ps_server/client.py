@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CreateSpec", "DEFAULT_BARRIER_TIMEOUT_S", "DEFAULT_PUSH_WORK_TIMEOUT_S", "PSClient", "PUSH_WORK_TIMEOUT_ENV",
            "PullSpec", "Update", "create_deadline", "deadline_for", "push_work_timeout"]
+
+_R = TypeVar("_R")
 
 #: Deadline = base + bytes / rate: generous for loopback, still bounded. A dead
 #: peer is not always announced by a connection reset (e.g. a frozen or cut-off
@@ -417,11 +419,16 @@ class PSClient(ServiceClient):
         update_id = getattr(header, "update_id", "")
         if timeout is not None or method is not None or not update_id:
             return self._send_once(header, arrays, first, method)
+        return self._resending(update_id, first, lambda wait: self._send_once(header, arrays, wait, method))
+
+    def _resending(self, update_id: str, first: float, send: Callable[[float], _R]) -> _R:
+        """``send(deadline)``, sent again under the same ``update_id`` while its deadline passes and
+        the PS answers health checks (see :data:`PUSH_WORK_TIMEOUT_ENV`)."""
         limit = time.monotonic() + push_work_timeout()
         wait = first
         while True:
             try:
-                return self._send_once(header, arrays, wait, method)
+                return send(wait)
             except JaxdistError as e:
                 if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
                     raise
@@ -502,8 +509,9 @@ class PSClient(ServiceClient):
         timeout: float | None = None,
     ) -> ps_pb2.PushResponse:
         """:meth:`push` from worker ``contributor``'s closure: on a PS running synchronous steps its
-        gradients are staged for its step (``staged`` in the answer) and, with ``commit``, the step
-        is committed in the same call. ``step`` (-1: unknown): the step its pull reported; the PS
+        gradients are staged for its step and, with ``commit``, the step
+        is committed in the same call; ``staged`` in the answer: the contribution waits for its
+        member's commit (also when the push was a duplicate of a staged, uncommitted one). ``step`` (-1: unknown): the step its pull reported; the PS
         refuses the push (:class:`StepMembershipError`) when the worker is no longer at it."""
         header, arrays = ps_wire.encode_push(updates, update_id, contributor=contributor, commit=commit, step=step)
         return self._send(header, arrays, timeout)
@@ -543,7 +551,12 @@ class PSClient(ServiceClient):
         req = ps_pb2.DynamicPushRequest(table=table, update_id=update_id)
         encode_keys(keys, req.keys)
         codec.tensor_to_proto(grads, req.grads)
-        return self._call(self._dyn_push, req, timeout or deadline_for(np.asarray(grads).nbytes))
+        first = timeout or deadline_for(np.asarray(grads).nbytes)
+        if timeout is not None or not update_id:
+            return self._call(self._dyn_push, req, first)
+        # Like a variable push: a shard's step can outlast the transfer's deadline (a table growing
+        # past a doubling copies its columns, a hash index rebuild re-inserts every key).
+        return self._resending(update_id, first, lambda wait: self._call(self._dyn_push, req, wait))
 
     # ------------------------------------------------------------- replication
     def replicate(self, header: ps_pb2.ReplicaHeader, arrays: list[np.ndarray], timeout: float | None = None) -> None:

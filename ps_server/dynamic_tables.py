@@ -13,6 +13,14 @@ Contract:
 - **Pushes** are applied at most once per update id, through the store's dedupe table
   (:meth:`~jaxdist.ps_server.store.VariableStore.apply_once`): a re-run closure's or a retried push is
   a duplicate, exactly like a variable push (the servicer puts it behind the same run fence).
+- **Exports for serving.** Every shard takes part in the export cuts of the store's
+  :class:`~jaxdist.ps_server.export_rows.ChangeTracker` (:meth:`DynamicTables.participants`): a full
+  export writes its keys and rows, a delta the rows of the keys inserted or pushed since the base
+  cut and the keys evicted since, read from the shard's own log
+  (:meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.changes_since`) at the cut, under the
+  table's apply lock, so a push is in exactly one export and the push path pays nothing for it. A
+  shard created, restored or installed (a backup's full sync) since the base, or whose eviction log
+  no longer reaches back to it, is changed *as a whole*: the exporter writes a full export.
 - **Hostile input** (malformed keys, keys of the wrong type, rows of the wrong shape or dtype, an
   unknown table, a push that would pass the shard's memory bound) raises a typed error (gRPC status
   ``INVALID_ARGUMENT``, ``NOT_FOUND``, ``RESOURCE_EXHAUSTED``) before anything changes; the push's id
@@ -22,13 +30,17 @@ Contract:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import hashlib
 import json
 import logging
+import os
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,9 +52,14 @@ from jaxdist.base.errors import (
     VariableNotFoundError,
 )
 from jaxdist.proto import codec, ps_pb2
+from jaxdist.proto.ps_wire import out_of_band
 from jaxdist.ps_server.checkpoint_io import PieceReader
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard
-from jaxdist.ps_server.store import VariableStore
+from jaxdist.ps_server.dynamic_export import ShardParticipant
+
+if TYPE_CHECKING:
+    # A type only: the PS client imports this module (encode_keys), and a worker has no store (nor its optax).
+    from jaxdist.ps_server.store import VariableStore
 
 __all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
@@ -87,6 +104,33 @@ def decode_keys(msg: ps_pb2.DynamicKeys, max_bytes: int) -> np.ndarray | list[st
     return codec.tensor_from_proto(msg.ids, max_bytes)
 
 
+#: Allocations from this size up get pages of their own (glibc), given back to the system when freed.
+LARGE_ALLOCATION_BYTES = 1 << 20
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number
+
+
+def unmap_large_allocations() -> bool:
+    """Make glibc serve allocations of :data:`LARGE_ALLOCATION_BYTES` and more with their own pages
+    (``mallopt(M_MMAP_THRESHOLD)``), so they go back to the system when freed; True if set.
+
+    Why: by default glibc raises that threshold up to 32 MB as large blocks are freed, so the
+    megabytes a dynamic push or lookup allocates and frees (keys, rows, gradient sums) come from the
+    per-thread heaps of the server's threads, where fragmentation keeps them: a PS growing a 3M-key
+    table kept ~300 MB more that way (``bench/dynamic_scale.py``). Done once, at the first dynamic
+    table of the process. Not done on other C libraries, or when ``MALLOC_MMAP_THRESHOLD_`` is set
+    (the user's choice stands).
+    """
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, LARGE_ALLOCATION_BYTES))
+
+
 class DynamicTables:
     """The dynamic table shards of one PS task, by table name. Thread-safe."""
 
@@ -94,13 +138,16 @@ class DynamicTables:
         self.store = store
         self._lock = threading.Lock()  # membership; taken before any table's apply lock
         self._tables: dict[str, DynamicTableShard] = {}
+        # Per table: its shard as an export-cut participant (a new one whenever the shard is replaced).
+        self._participants: dict[str, ShardParticipant] = {}
         # Per table: held while a push is applied and forwarded, so a backup gets the pushes in the
         # order they were applied here (and a full sync sees none half done).
         self._apply_locks: dict[str, threading.Lock] = {}
-        #: Sends one replication message (its dynamic fields set) to the backup, if any: set by the
-        #: servicer (Replication.forward_dynamic). Raises NotPrimaryError when this task must not
-        #: acknowledge the change.
-        self.forward: Callable[[ps_pb2.ReplicaHeader], None] | None = None
+        #: Sends one replication message (its dynamic fields set) and its payload arrays to the
+        #: backup, if any: set by the servicer (Replication.forward_dynamic). Raises NotPrimaryError
+        #: when this task must not acknowledge the change.
+        self.forward: Callable[[ps_pb2.ReplicaHeader, list[np.ndarray]], None] | None = None
+        self._allocator_set = False
 
     def create(self, config: DynamicTableConfig, shard: int, num_shards: int) -> bool:
         """Create this task's shard of a table; False if it existed identically (kept as it is).
@@ -113,8 +160,11 @@ class DynamicTables:
                 raise VariableExistsError(
                     f"dynamic table {config.name!r} exists here with another config or placement "
                     f"(shard {old.shard} of {old.num_shards})")
-            self._tables[config.name] = DynamicTableShard(config, shard, num_shards)
-            lock = self._apply_locks.setdefault(config.name, threading.Lock())
+            if not self._tables and not self._allocator_set:
+                self._allocator_set = True
+                logger.debug("large allocations unmapped when freed: %s", unmap_large_allocations())
+            self._place(DynamicTableShard(config, shard, num_shards))
+            lock = self._apply_locks[config.name]
             lock.acquire()
         try:
             logger.info("dynamic table %r: shard %d of %d created", config.name, shard, num_shards)
@@ -122,7 +172,7 @@ class DynamicTables:
                 header = ps_pb2.ReplicaHeader()
                 header.dynamic_create.CopyFrom(ps_pb2.CreateDynamicTableRequest(
                     config_json=json.dumps(config.to_json()), shard=shard, num_shards=num_shards))
-                self.forward(header)
+                self.forward(header, [])
         finally:
             lock.release()
         return True
@@ -164,7 +214,7 @@ class DynamicTables:
                     encode_keys(keys, header.dynamic_push.keys)
                     codec.tensor_to_proto(grads, header.dynamic_push.grads)
                 try:
-                    self.forward(header)
+                    self.forward(header, [])
                 except JaxdistError as e:
                     return counts, e
                 return counts, None
@@ -182,14 +232,15 @@ class DynamicTables:
             return self._apply_locks.setdefault(name, threading.Lock())
 
     @contextlib.contextmanager
-    def frozen(self) -> Iterator[list[ps_pb2.DynamicInstall]]:
-        """Every shard as it is, with no push or create applied until the block ends (a full sync)."""
+    def frozen(self, payload: list[np.ndarray]) -> Iterator[list[ps_pb2.DynamicInstall]]:
+        """Every shard as it is, with no push or create applied until the block ends (a full sync);
+        the shards' arrays are appended to ``payload`` (sent after the header: see :func:`install_message`)."""
         with self._lock:
             names = sorted(self._tables)
             with contextlib.ExitStack() as stack:
                 for n in names:
                     stack.enter_context(self._apply_locks.setdefault(n, threading.Lock()))
-                yield [install_message(self._tables[n]) for n in names]
+                yield [install_message(self._tables[n], payload) for n in names]
 
     def forward_installs(self, names: Sequence[str]) -> None:
         """Send the whole shards ``names`` to the backup (after a restore), each under its apply lock:
@@ -198,25 +249,39 @@ class DynamicTables:
             with self._apply_lock(n):
                 if self.forward is not None:
                     header = ps_pb2.ReplicaHeader()
-                    header.dynamic_installs.append(install_message(self.get(n)))
-                    self.forward(header)
+                    payload: list[np.ndarray] = []
+                    header.dynamic_installs.append(install_message(self.get(n), payload))
+                    self.forward(header, payload)
 
-    def accept_installs(self, installs: Sequence[ps_pb2.DynamicInstall], replace_all: bool) -> None:
-        """Install exact copies of the primary's shards (a backup); ``replace_all``: drop the others."""
+    def accept_installs(self, installs: Sequence[ps_pb2.DynamicInstall], replace_all: bool,
+                        payload: Sequence[np.ndarray] = ()) -> None:
+        """Install exact copies of the primary's shards (a backup); ``replace_all``: drop the others.
+        ``payload``: the arrays sent out of band (:func:`install_message`), in order; all of them used."""
         shards = []
+        rest = iter(payload)
         for m in installs:
             config = config_from_json(m.config_json)
-            arrays = {a.name: codec.tensor_from_proto(a.tensor) for a in m.arrays}
+            arrays = {}
+            for a in m.arrays:
+                if out_of_band(a.tensor) is None:
+                    arrays[a.name] = codec.tensor_from_proto(a.tensor)
+                else:
+                    arr = next(rest, None)
+                    if arr is None:
+                        raise InvalidRequestError(f"dynamic table install {config.name!r}: its payload is short")
+                    arrays[a.name] = arr
             try:
                 export = unpack_export(config, arrays.__getitem__)
                 shards.append(DynamicTableShard.copy_of(config, export, m.shard, m.num_shards))
             except (KeyError, ValueError, TypeError, IndexError) as e:
                 raise InvalidRequestError(f"malformed dynamic table install {config.name!r}: {e}") from e
+        if next(rest, None) is not None:
+            raise InvalidRequestError("dynamic table installs: more payload arrays than their specs")
         with self._lock:
             if replace_all:
-                self._tables = {}
+                self._tables, self._participants = {}, {}
             for t in shards:
-                self._tables[t.config.name] = t
+                self._place(t)
 
     def save_arrays(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """Every shard's whole state as checkpoint arrays (``dyn/<table>/<field>``), and the table names."""
@@ -257,7 +322,20 @@ class DynamicTables:
         """Replace (or add) these tables' shards: a restore."""
         with self._lock:
             for t in shards:
-                self._tables[t.config.name] = t
+                self._place(t)
+
+    def _place(self, shard: DynamicTableShard) -> None:
+        """(Under ``_lock``.) Hold ``shard`` as its table's shard; for exports it is wholly new."""
+        name = shard.config.name
+        self._tables[name] = shard
+        lock = self._apply_locks.setdefault(name, threading.Lock())
+        self._participants[name] = ShardParticipant(shard, lock, self.store.changes.segment_count())
+
+    def participants(self) -> list[ShardParticipant]:
+        """Every shard held here, by table name, as export-cut participants
+        (:func:`~jaxdist.ps_server.save_restore.export`)."""
+        with self._lock:
+            return [self._participants[n] for n in sorted(self._participants)]
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Each table's :meth:`DynamicTableShard.stats`."""
@@ -315,12 +393,25 @@ def unpack_export(config: DynamicTableConfig, read: Callable[[str], np.ndarray])
     return out
 
 
-def install_message(table: DynamicTableShard) -> ps_pb2.DynamicInstall:
-    """A whole shard as one inline replication message (its export, packed as in a checkpoint)."""
+def install_message(table: DynamicTableShard, payload: list[np.ndarray] | None = None) -> ps_pb2.DynamicInstall:
+    """A whole shard as a replication message (its export, packed as in a checkpoint).
+
+    Without ``payload`` every array is inline (one protobuf message, bounded by gRPC's message
+    size). With it, each non-empty array travels *out of band*: its entry carries only its spec
+    and the array is appended to ``payload``, sent after the header in frames of
+    :data:`~jaxdist.proto.codec.CHUNK_BYTES` like a variable's value (see
+    :func:`~jaxdist.proto.ps_wire.out_of_band`), so a shard of any size fits the message limit.
+    """
     m = ps_pb2.DynamicInstall(config_json=json.dumps(table.config.to_json()), shard=table.shard,
                               num_shards=table.num_shards)
     for name, arr in pack_export(table.config.name, table.export()).items():
-        codec.tensor_to_proto(arr, m.arrays.add(name=name).tensor)
+        t = m.arrays.add(name=name).tensor
+        if payload is None or arr.nbytes == 0:
+            codec.tensor_to_proto(arr, t)
+        else:
+            arr = codec.as_wire_array(arr)
+            codec.spec_to_proto(arr.shape, arr.dtype, t.spec)
+            payload.append(arr)
     return m
 
 

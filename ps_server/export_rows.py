@@ -40,7 +40,7 @@ from typing import Any, Protocol
 import numpy as np
 
 __all__ = [
-    "ALL", "ChangeTracker", "CutParticipant", "CutResult", "KeyChanges", "KeyDelta", "RowChanges",
+    "ALL", "ChangeTracker", "CutParticipant", "CutResult", "KeyChanges", "KeyDelta", "KeySegments", "RowChanges",
     "rows_key", "ids_key", "value_key", "keys_key", "evicted_key",
 ]
 
@@ -185,12 +185,28 @@ class KeyChanges:
         self.segments = ([self.union(start)] if start is not None else []) + [None]
 
 
+class KeySegments(Protocol):
+    """What a cut needs of a keyed table's change record: :class:`KeyChanges` (marked as the table
+    changes), or a record that reads the changes from the table at the cut (a dynamic table's shard
+    logs its own: :class:`~jaxdist.ps_server.dynamic_export.ShardChanges`). ``union`` gives None,
+    :data:`ALL` or a :class:`KeyDelta`, like :meth:`KeyChanges.union`."""
+
+    segments: list[Any]
+
+    def union(self, start: int) -> Any: ...
+
+    def compact(self, start: int | None) -> None: ...
+
+    def mark_all(self) -> None: ...
+
+
 class CutParticipant(Protocol):
     """A keyed table taking part in an export cut (the plug-in point of dynamic tables).
 
     The table marks :attr:`changes` (made by :meth:`ChangeTracker.new_keys`) under :attr:`lock`
     whenever it inserts, updates or evicts a key, in the critical section that changes the rows
-    (a restore or full sync that replaces the table calls :meth:`KeyChanges.mark_all`). During a cut
+    (a restore or full sync that replaces the table calls :meth:`KeyChanges.mark_all`), or its
+    :attr:`changes` reads them from the table when cut (:class:`KeySegments`). During a cut
     the store takes every variable lock, then :attr:`lock` of each participant (in the order given),
     and calls :meth:`gather`: a table never takes a variable lock while it holds its own. A table
     that is replaced whole in a delta makes the exporter write a full export (a delta cannot say
@@ -198,8 +214,12 @@ class CutParticipant(Protocol):
     """
 
     name: str
-    changes: KeyChanges
     lock: Any  # a context manager: the lock the table's pushes hold
+
+    @property
+    def changes(self) -> KeySegments:
+        """The table's change record (read by the cut; an attribute in an implementation)."""
+        ...
 
     def gather(self, keys: set[Any] | None) -> tuple[np.ndarray, np.ndarray]:
         """``(keys, values)`` of the rows present among ``keys`` (None: every row), copies; called
@@ -244,8 +264,13 @@ class ChangeTracker:
         with self._lock:
             return KeyChanges(len(self.starts))
 
+    def segment_count(self) -> int:
+        """Segments kept now: the length of a new participant's ``segments`` (each ALL, wholly new)."""
+        with self._lock:
+            return len(self.starts)
+
     def cut(self, base_generation: str, base_cut: int, delta: bool,
-            changes: Sequence[RowChanges | KeyChanges]) -> tuple[CutResult, list[Any] | None]:
+            changes: Sequence[RowChanges | KeySegments]) -> tuple[CutResult, list[Any] | None]:
         """Make a new cut; for ``delta``, the changes of every entry of ``changes`` since the base.
 
         Returns ``(result, unions)``: ``unions`` (None unless ``delta``) holds, per entry, None,

@@ -145,7 +145,9 @@ def export(store: VariableStore, req: ps_pb2.ExportRequest,
             arrays[export_rows.keys_key(p.name)] = keys
             arrays[export_rows.rows_key(p.name)] = values
             if evicted is not None:
-                arrays[export_rows.evicted_key(p.name)] = np.asarray(evicted, dtype=keys.dtype) if evicted else keys[:0]
+                # Not keys.dtype: a unicode dtype has a width, and an evicted string may be longer.
+                arrays[export_rows.evicted_key(p.name)] = (
+                    np.asarray(evicted, dtype=np.int64 if keys.dtype.kind in "iu" else str) if evicted else keys[:0])
             elif spec.delta:
                 out.whole_tables.append(p.name)
         sha, nbytes = checkpoint_io.write_npz_atomic(spec.directory, spec.file_name, arrays)

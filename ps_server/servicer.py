@@ -35,7 +35,7 @@ import numpy as np
 
 from jaxdist.base.errors import ConfigurationError, InvalidRequestError
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
-from jaxdist.ps_server import export_rows, save_restore
+from jaxdist.ps_server import save_restore
 from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
@@ -81,9 +81,6 @@ class ParameterServerServicer:
         self.shutdown_event = threading.Event()
         self.data_port = 0  # set when a data plane serves this PS (announced in GetStatus)
         self.exit_code = 0
-        #: Keyed (dynamic) tables held here, by name: they take part in export cuts
-        #: (:class:`~jaxdist.ps_server.export_rows.CutParticipant`). A table registers itself.
-        self.keyed_tables: dict[str, export_rows.CutParticipant] = {}
 
     def handlers(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
@@ -203,10 +200,11 @@ class ParameterServerServicer:
         if header.contributor > 0 and self.sync.enabled and any(u.op in ps_wire.GRADIENT_OPS for u in updates):
             # A worker's gradients in synchronous steps: staged for its step, applied as the step's mean.
             self.store.validate(updates)
-            dup, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit, header.step - 1)
+            dup, staged, step = self.sync.push(header.contributor - 1, header.update_id, updates, header.commit,
+                                               header.step - 1)
             self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
             self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
-            return ps_pb2.PushResponse(duplicate=dup, staged=not dup, step=step)
+            return ps_pb2.PushResponse(duplicate=dup, staged=staged, step=step)
         versions, dup = self.store.apply(updates, header.update_id)
         self.counters.add(pushes=1, bytes_pushed=sum(a.nbytes for a in received), duplicates=1 if dup else 0)
         self.counters.add_variable_bytes("pushed", ((u.name, u.value.nbytes) for u in updates))
@@ -314,7 +312,7 @@ class ParameterServerServicer:
     def export(self, req: ps_pb2.ExportRequest, context: grpc.ServicerContext) -> ps_pb2.ExportResponse:
         # A deposed primary's or a backup's changes are not the shard's: only the primary exports.
         self.replication.check_primary(self.task)
-        return save_restore.export(self.store, req, [self.keyed_tables[n] for n in sorted(self.keyed_tables)])
+        return save_restore.export(self.store, req, self.dynamic.participants())
 
     def restore(self, req: ps_pb2.RestoreRequest, context: grpc.ServicerContext) -> ps_pb2.RestoreResponse:
         staged = save_restore.read_restore(req, self.store.max_variable_bytes, self.optimizers.get)

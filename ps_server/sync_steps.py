@@ -126,6 +126,11 @@ class StepClock:
     def is_staged(self, update_id: str) -> bool:
         return update_id in self._staged_ids
 
+    def awaits_commit(self, update_id: str, w: int) -> bool:
+        """Whether ``update_id`` is member ``w``'s staged contribution to a step ``w`` has not committed yet."""
+        at = self._staged_ids.get(update_id)
+        return at is not None and at[1] == w and w in self.clocks and w not in self._fenced and at[0] >= self.clocks[w]
+
     def stage(self, w: int, update_id: str, updates: Sequence[Update], pulled_at: int = -1) -> int:
         """Stage member ``w``'s gradients for its current step; returns that step.
 
@@ -198,11 +203,18 @@ class StepClock:
                 del self._staged[step]
 
     def join(self, w: int, step: int) -> int:
-        """Add ``w`` (from step ``max(step, applied)``); a member keeps its clock. Returns its clock."""
+        """Add ``w`` from step ``max(step, applied, its last counted step + 1)``; a member keeps its
+        clock. Returns its clock.
+
+        With staleness > 0 a dropped worker may have committed (or had kept) contributions to steps
+        not applied yet; they stay in their steps, so it rejoins after the last of them: joining at
+        ``applied`` would let it contribute to those steps twice (or have its push refused there).
+        """
         if not self.enabled:
             return 0
         if w not in self.clocks:
-            self.clocks[w] = max(step, self.applied)
+            counted = max((s for s, ws in self._counted.items() if w in ws), default=-1)
+            self.clocks[w] = max(step, self.applied, counted + 1)
             self._fenced.discard(w)
         return self.clocks[w]
 
@@ -337,17 +349,26 @@ class SyncSteps:
         """Whether a gradient push by contributor ``w`` is staged (synchronous steps on; ``w`` a member or fenced)."""
         return self._clock.enabled and w in self._clock.clocks
 
-    def push(self, w: int, update_id: str, updates: Sequence[Update], commit: bool, pulled_at: int = -1) -> tuple[bool, int]:
-        """Stage member ``w``'s gradients (and commit them with ``commit``); ``(duplicate, step)``.
-        ``pulled_at``: see :meth:`StepClock.stage`."""
+    def push(self, w: int, update_id: str, updates: Sequence[Update], commit: bool,
+             pulled_at: int = -1) -> tuple[bool, bool, int]:
+        """Stage member ``w``'s gradients (and commit them with ``commit``); ``(duplicate, staged, step)``.
+
+        ``staged``: the contribution is staged and still waits for its member's commit: true for a
+        new push without ``commit``, and for a duplicate (a push sent again after a lost answer, or a
+        closure re-run on the same worker) whose first copy ``w`` staged but never committed, so the
+        caller commits it (``commit`` commits it here); false once it was committed or applied (committing again would end the
+        member's next step). ``pulled_at``: see :meth:`StepClock.stage`."""
         with self._cond:
             if update_id and (self._clock.is_staged(update_id) or self._was_applied(update_id)):
-                return True, self._clock.clocks.get(w, -1)
+                if commit and self._clock.awaits_commit(update_id, w):
+                    self._clock.commit(w)
+                    self._advance()
+                return True, self._clock.awaits_commit(update_id, w), self._clock.clocks.get(w, -1)
             step = self._clock.stage(w, update_id, updates, pulled_at)
             if commit:
                 self._clock.commit(w)
                 self._advance()
-            return False, step
+            return False, not commit, step
 
     def control(self, kind: SyncKind, w: int = -1, staleness: int = 0, members: Iterable[int] = (), step: int = -1) -> SyncReport:
         """Carry out one ``SyncSteps`` request (see :class:`StepClock`); the clock's report after it."""

@@ -64,7 +64,7 @@ from jaxdist.cluster_coordinator.datasets import (
     as_dataset_fn,
     assign_ledger_positions,
 )
-from jaxdist.cluster_coordinator.dispatch import Dispatcher, DispatchSettings, WorkerHandle
+from jaxdist.cluster_coordinator.dispatch import TICK_S, Dispatcher, DispatchSettings, WorkerHandle
 from jaxdist.cluster_coordinator.failure_handler import DEFAULT_FORGET_AFTER, DEFAULT_MAX_PROBE_RATE, FailureHandler, PSMode
 from jaxdist.cluster_coordinator.monitoring import CoordinatorCollector
 from jaxdist.cluster_coordinator.ps_recovery import PSWatcher
@@ -178,8 +178,9 @@ class Cluster:
     ) -> None:
         self.strategy = strategy
         self.queue = queue
+        # The dispatcher ticks every TICK_S: the handler measures its own lateness from that.
         self.failures = FailureHandler(settings.failure_timeout, heartbeat_interval=settings.heartbeat_interval,
-                                       max_probe_rate=max_probe_rate, forget_after=forget_after)
+                                       max_probe_rate=max_probe_rate, forget_after=forget_after, tick_interval=TICK_S)
         self.run_id = run_id
         self._settings = settings
         self._credentials = strategy.credentials

@@ -21,9 +21,13 @@ coordinators of a process, see :class:`_SharedLoop`):
   which workers to probe and which have been silent too long; probes are
   Heartbeat calls on the same loop. Each worker's channel is watched: a
   connection that leaves READY (a SIGKILLed process's connections are reset
-  by its kernel) is reported at once, and the handler probes it. The tick
-  also measures how late the loop runs and reports it as the coordinator's
-  own stall, which is never counted against a worker.
+  by its kernel) is reported at once, and the handler probes it. From the
+  ticks' spacing the handler measures how late the loop runs: that is the
+  coordinator's own stall, never counted against a worker. A heartbeat that
+  fails UNAVAILABLE is followed by a fresh TCP connect to the worker's
+  address: refused means nobody listens (the worker is dead at once);
+  anything else (a connection dropped by keepalive on a loaded machine, a
+  slow accept) counts towards the failure timeout like a timeout does.
 - **Recovery.** A worker that is not healthy (new, declared dead) is
   (re)configured with backoff by a coroutine of its own until it answers.
 
@@ -38,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import errno
 import logging
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -58,7 +63,8 @@ from jaxdist.worker import closure_args
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BATCH_RUN_S", "DispatchHost", "DispatchSettings", "Dispatcher", "TICK_S", "WorkerHandle"]
+__all__ = ["BATCH_RUN_S", "CONNECT_CHECK_S", "DispatchHost", "DispatchSettings", "Dispatcher", "TICK_S", "WorkerHandle",
+           "nobody_listens"]
 
 T = TypeVar("T")
 
@@ -74,9 +80,9 @@ _SVC = "/jaxdist.Worker/"
 
 #: Seconds between two liveness ticks: the resolution of probe times and of the failure timeout.
 TICK_S = 0.1
-#: A tick this much later than due means the loop (the coordinator) was stalled: that time is not
-#: counted against any worker's silence. Below it is ordinary jitter of a busy loop.
-_STALL_S = 0.05
+#: Longest a fresh TCP connect to a worker whose heartbeat failed UNAVAILABLE may take (the kernel
+#: accepts or refuses at once even for a frozen process; slower is not proof of anything).
+CONNECT_CHECK_S = 1.0
 #: First and longest wait between attempts to (re)configure an unreachable worker.
 _MIN_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
@@ -147,6 +153,33 @@ def _rebuild_error(r: worker_pb2.ClosureResult, task: str) -> BaseException:
     except AttributeError:  # pragma: no cover - Python < 3.11
         pass
     return exc
+
+
+async def nobody_listens(address: str, timeout: float = CONNECT_CHECK_S) -> bool:
+    """Whether nothing listens at ``address`` (``host:port``): a fresh TCP connection is refused, or
+    the host or its network is unreachable. That is the evidence a dead process leaves (its kernel,
+    or the machine's absence, refuses). Accepted (a process holds the port: frozen, starved or
+    restarted), timed out, or any other error: not proven, False. An address that is not
+    ``host:port`` (a gRPC target such as ``unix:...``) cannot be checked this way: True, the
+    unavailable call's own evidence."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return True
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+    except ConnectionRefusedError:
+        return True
+    except OSError as e:
+        return e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH)
+    except asyncio.TimeoutError:
+        return False
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return False
 
 
 def make_aio_channel(address: str, credentials: Credentials) -> grpc.aio.Channel:
@@ -288,7 +321,6 @@ class Dispatcher:
         self._idle: dict[int, WorkerHandle] = {}  # insertion order: longest idle first
         self._kick_pending = False
         self._stopping = False
-        self._tick_due = 0.0
         self._tick_handle: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._run_s: dict[str, float] = {}  # function digest -> estimated run time of one closure (loop thread)
@@ -304,8 +336,7 @@ class Dispatcher:
         self._loop.call_soon_threadsafe(self._start_ticks)
 
     def _start_ticks(self) -> None:
-        self._tick_due = self.loop.time() + TICK_S
-        self._tick_handle = self.loop.call_at(self._tick_due, self._tick)
+        self._tick_handle = self.loop.call_at(self.loop.time() + TICK_S, self._tick)
 
     def quiesce(self, timeout: float) -> None:
         """Stop dispatching: cancel every call in flight (the queue was stopped, so their closures
@@ -600,12 +631,9 @@ class Dispatcher:
     def _tick(self) -> None:
         if self._stopping:
             return
-        now = self.loop.time()
-        late = now - self._tick_due
-        self._tick_due = now + TICK_S
-        self._tick_handle = self.loop.call_at(self._tick_due, self._tick)
-        if late > _STALL_S:
-            self._host.apply(self._failures.coordinator_stalled(late))
+        # The failure handler measures the loop's lateness from the ticks' spacing (it was made with
+        # tick_interval=TICK_S): time this loop could not run is not counted against any worker.
+        self._tick_handle = self.loop.call_at(self.loop.time() + TICK_S, self._tick)
         self._host.apply(self._failures.tick())
 
     async def _probe(self, h: WorkerHandle) -> None:
@@ -616,7 +644,13 @@ class Dispatcher:
         except grpc.aio.AioRpcError as e:
             if h.leaving or self._stopping:
                 return
-            self._host.apply(self._failures.heartbeat_missed(h.index, unreachable=e.code() == grpc.StatusCode.UNAVAILABLE))
+            # UNAVAILABLE is a refused connection (nobody listens: dead now) but also a connection that
+            # keepalive or the peer dropped on a loaded machine (count it like a timeout). Tell them
+            # apart by what a fresh connection attempt meets, never by the status's text.
+            unreachable = e.code() == grpc.StatusCode.UNAVAILABLE and await nobody_listens(h.address)
+            if h.leaving or self._stopping:
+                return
+            self._host.apply(self._failures.heartbeat_missed(h.index, unreachable=unreachable))
         else:
             self._host.apply(self._failures.heartbeat_answered(h.index, st.incarnation))
 

@@ -8,9 +8,9 @@ nowhere else is a failure classified:
   function unknown, resource unknown, skipped), a worker answered Configure
   (with its incarnation), a heartbeat was answered (with an incarnation) or
   missed (timed out, or unreachable), a worker's connection dropped, the
-  loop's own lateness (:meth:`FailureHandler.coordinator_stalled`), and the
   liveness :meth:`FailureHandler.tick` (which workers to probe now, which
-  have been silent too long);
+  have been silent too long; from the ticks' spacing, the coordinator's own
+  stalls);
 - from the PS watcher: a PS primary answered (incarnation, whether its
   backup is attached) or did not, the end of a pass over the shards, and
   the outcome of a restore or a failover it carried out.
@@ -49,18 +49,31 @@ reconfigured and its resources rebuilt, a PS is restored).
 - *Dead when asked and silent*: a worker is declared dead when the first
   probe it left unanswered was sent more than ``failure_timeout`` seconds
   ago (checked on every tick and on every miss). A probe that finds
-  nobody listening (``heartbeat_missed(unreachable=True)``: connection
-  refused or reset, the process is gone) declares it dead at once, like a
-  failed call.
+  nobody listening (``heartbeat_missed(unreachable=True)``: a fresh
+  connection to its address is refused, the process is gone) declares it
+  dead at once, like a failed call; a probe that failed UNAVAILABLE while
+  a process still holds the port (a connection dropped by keepalive on a
+  loaded machine) is a miss like a timeout.
 - *A dropped connection is checked at once*: :meth:`~FailureHandler.connection_lost`
   (the channel left READY: a SIGKILLed process's kernel resets its
   connections) sends a probe now, outside the rate budget; the probe's
   outcome decides.
-- *The coordinator's own lateness is not the workers' silence*:
-  :meth:`~FailureHandler.coordinator_stalled` (the dispatch loop ran late by
-  that many seconds: GIL, CPU starvation) moves every worker's silence
-  clock forward by the stall, so a saturated coordinator does not declare
-  healthy workers dead.
+- *The coordinator's own lateness is not the workers' silence*: every
+  worker time (last answer, first unanswered probe, next probe) is read on
+  the *workers' clock*, the coordinator's clock less the time it could not
+  run. Made with ``tick_interval`` (the dispatch loop ticks every 0.1 s),
+  the handler measures that itself: a :meth:`~FailureHandler.tick` that
+  comes more than :data:`STALL_GRACE_S` later than due means the loop was
+  stalled (GIL, GC, CPU starvation, the process descheduled) for that long.
+  A missed heartbeat accounts the stall too before it is judged, because
+  after a stall the loop may carry out the probe's DEADLINE_EXCEEDED before
+  the late tick: a probe whose deadline the stall used up is asked again,
+  so every worker missing at once right after the coordinator's own stall
+  is one stall, not N failures. A silent worker still fails once its probe
+  is ``failure_timeout`` old in time the coordinator observed; evidence
+  (nobody listening, a failed call) still fails it at once.
+  :meth:`~FailureHandler.coordinator_stalled` reports a stall measured
+  elsewhere.
 - *Unreachable registrants cost a bounded time*: a worker that joined
   through registration (``elastic``) and has answered nothing for
   ``forget_after`` seconds while unhealthy is forgotten
@@ -117,6 +130,7 @@ __all__ = [
     "RestorePS",
     "Retry",
     "ReturnUnrun",
+    "STALL_GRACE_S",
     "WorkerStatus",
 ]
 
@@ -135,6 +149,9 @@ DEFAULT_MAX_PROBE_RATE = 200.0
 DEFAULT_FORGET_AFTER = 60.0
 #: Jitter of a worker's probe interval: uniform in [1 - J, 1 + J) times the interval.
 _PROBE_JITTER = 0.25
+#: Lateness of a tick (past ``tick_interval``) that is ordinary jitter of a busy loop; beyond it the
+#: coordinator is taken to have been stalled for all of the lateness.
+STALL_GRACE_S = 0.05
 
 
 class Outcome(enum.Enum):
@@ -390,6 +407,12 @@ class FailureHandler:
         forget_after: seconds a worker that joined through registration may
             stay unreachable before it is forgotten.
         rng: uniform [0, 1) numbers for the probe jitter (default: a generator of its own, not Python's global one).
+        tick_interval: seconds between two :meth:`tick` calls the caller promises (the dispatch
+            loop's :data:`~jaxdist.cluster_coordinator.dispatch.TICK_S`). Set, the handler measures
+            its own lateness: a tick (or a missed heartbeat) that comes more than
+            ``tick_interval + STALL_GRACE_S`` after the previous one means the coordinator could not
+            run meanwhile, and that time is not counted against any worker. None: only what
+            :meth:`coordinator_stalled` reports is.
     """
 
     def __init__(
@@ -402,9 +425,12 @@ class FailureHandler:
         max_probe_rate: float = DEFAULT_MAX_PROBE_RATE,
         forget_after: float = DEFAULT_FORGET_AFTER,
         rng: Callable[[], float] | None = None,
+        tick_interval: float | None = None,
     ) -> None:
         if max_probe_rate <= 0 or heartbeat_interval <= 0:
             raise ValueError("heartbeat_interval and max_probe_rate must be positive")
+        if tick_interval is not None and tick_interval <= 0:
+            raise ValueError(f"tick_interval must be positive (or None), got {tick_interval}")
         self.failure_timeout = failure_timeout
         self.max_ps_retries = max_ps_retries
         self.heartbeat_interval = heartbeat_interval
@@ -420,7 +446,10 @@ class FailureHandler:
         self._watched = 0  # healthy workers at the last tick (the probe interval divides by the rate)
         self._tokens = 1.0  # probes that may leave now (a bucket refilled at max_probe_rate)
         self._last_tick = clock()
-        #: Seconds of coordinator stalls reported so far (not counted against any worker).
+        self._tick_interval = tick_interval
+        self._accounted_to: float | None = None  # raw clock time up to which the coordinator's running is accounted
+        #: Seconds the coordinator itself could not run (measured from its ticks' lateness, or reported
+        #: through :meth:`coordinator_stalled`): the workers' clock stops meanwhile.
         self.stalled_s = 0.0
         self._ps: dict[int, Liveness] = {}
         self._ps_mode = PSMode.NONE
@@ -465,7 +494,7 @@ class FailureHandler:
         """Watch worker ``index`` (not healthy until it answers Configure); ``elastic``: it joined
         through registration (forgotten when unreachable for ``forget_after`` seconds)."""
         with self._lock:
-            self._workers[index] = _Worker(index, task or f"worker:{index}", Liveness(self._clock()), elastic=elastic)
+            self._workers[index] = _Worker(index, task or f"worker:{index}", Liveness(self._observed()), elastic=elastic)
 
     def remove_worker(self, index: int) -> None:
         """Worker ``index`` left the job: it is no longer watched and takes no work."""
@@ -500,7 +529,7 @@ class FailureHandler:
             if w.left:
                 return []
             known = w.liveness.incarnation
-            self._answered(w, self._clock())
+            self._answered(w, self._observed())
             w.healthy = True
             if incarnation == known:
                 return []
@@ -514,7 +543,7 @@ class FailureHandler:
         with self._lock:
             w = self._workers[index]
             w.probing = False
-            self._answered(w, self._clock())
+            self._answered(w, self._observed())
             if w.liveness.is_restart(incarnation):
                 # Its closures in flight died with the old process; Configure adopts the new one.
                 return self._declare_dead(w, "it restarted")
@@ -522,7 +551,8 @@ class FailureHandler:
 
     def heartbeat_missed(self, index: int, unreachable: bool = False) -> list[Decision]:
         """A heartbeat to worker ``index`` got no answer: ``unreachable`` when nobody listens at its
-        address (connection refused or reset: the process is gone), else it timed out.
+        address (a fresh connection is refused: the process is gone), else it timed out or its
+        connection dropped while a process still listens there.
 
         Unreachable is dead at once (the evidence of a failed call). A timeout
         is dead once the first unanswered probe is ``failure_timeout`` old
@@ -530,8 +560,11 @@ class FailureHandler:
         that, the next tick probes it again.
         """
         with self._lock:
+            # Carried out on the dispatch loop, maybe before a tick that ran late: the loop's own
+            # stall is accounted first, so a probe whose deadline the stall used up is asked again.
+            self._account(self._clock())
             w = self._workers[index]
-            now = self._clock()
+            now = self._observed()
             w.probing = False
             w.liveness.missed(now)
             if w.left:
@@ -552,20 +585,41 @@ class FailureHandler:
             w = self._workers[index]
             if not w.healthy or w.left or w.probing:
                 return []
-            return [self._probe(w, self._clock())]
+            return [self._probe(w, self._observed())]
 
     def coordinator_stalled(self, seconds: float) -> list[Decision]:
-        """The coordinator could not listen for ``seconds`` (its loop ran that late): nobody's
-        silence grows by it. Every worker's last answer and pending probe move forward."""
+        """The coordinator could not listen for ``seconds`` (reported by the caller, e.g. a pause it
+        measured itself): nobody's silence grows by it (the workers' clock stops for that long).
+        With ``tick_interval`` set the handler also measures its ticks' lateness itself."""
         if seconds <= 0:
             return []
         with self._lock:
             self.stalled_s += seconds
-            for w in self._workers.values():
-                w.liveness.last_answer += seconds
-                if w.asked_since is not None:
-                    w.asked_since += seconds
             return []
+
+    def _observed(self) -> float:
+        """The workers' clock: this coordinator's time less its own stalls (under the lock)."""
+        return self._clock() - self.stalled_s
+
+    def _account(self, now: float) -> None:
+        """Account the coordinator's time up to ``now`` (raw clock; under the lock): with ticks due
+        every ``tick_interval``, a gap since the last tick (or miss) longer than that by more than
+        :data:`STALL_GRACE_S` is the coordinator's own stall (GIL, GC, CPU starvation, the process
+        descheduled), not the workers' silence."""
+        if self._tick_interval is None:
+            return
+        if self._accounted_to is None:  # the first tick: nothing to measure from
+            self._accounted_to = now
+            return
+        gap = now - self._accounted_to
+        if gap > self._tick_interval + STALL_GRACE_S:
+            stall = gap - self._tick_interval
+            self.stalled_s += stall
+            if stall >= 0.5 * self.failure_timeout:
+                logger.warning("the coordinator could not run for %.1fs (CPU starvation, GC or a pause): not "
+                               "counted against any worker's heartbeat", stall)
+        if now > self._accounted_to:
+            self._accounted_to = now
 
     def tick(self) -> list[Decision]:
         """The liveness clock: call it often (every ~0.1 s). Returns :class:`Probe` for healthy
@@ -573,10 +627,12 @@ class FailureHandler:
         for those whose unanswered probe is ``failure_timeout`` old, :class:`ForgetWorker` for
         registered workers unreachable for ``forget_after``."""
         with self._lock:
-            now = self._clock()
+            raw = self._clock()
+            self._account(raw)
             self._tokens = min(max(1.0, self.max_probe_rate * 0.25),
-                               self._tokens + (now - self._last_tick) * self.max_probe_rate)
-            self._last_tick = now
+                               self._tokens + (raw - self._last_tick) * self.max_probe_rate)
+            self._last_tick = raw
+            now = self._observed()
             out: list[Decision] = []
             watched = 0
             for w in self._workers.values():
@@ -635,7 +691,7 @@ class FailureHandler:
         out: list[Decision] = []
         with self._lock:
             w = self._workers[index]
-            self._answered(w, self._clock())
+            self._answered(w, self._observed())
             for r in reports:
                 if r.outcome is Outcome.OK:
                     w.closures_done += 1

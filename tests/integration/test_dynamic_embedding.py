@@ -13,8 +13,14 @@ import numpy as np
 import pytest
 
 import jaxdist
-from jaxdist.errors import ConfigurationError, DTypeMismatchError, PayloadTooLargeError
-from jaxdist.ps_server.dynamic_table import DynamicTableShard, hash_keys, shard_of
+from jaxdist.errors import (
+    ConfigurationError,
+    DTypeMismatchError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    VariableExistsError,
+)
+from jaxdist.ps_server.dynamic_table import DynamicTableConfig, DynamicTableShard, hash_keys, shard_of
 from jaxdist.testing import InProcessCluster
 
 pytestmark = pytest.mark.timeout(180)
@@ -194,6 +200,7 @@ def test_checkpoint_restores_into_three_ps_tasks(tmp_path, key_dtype: str) -> No
         _train_some(coord, table, batches)
         saved_rows, saved_stats = table.lookup(probe), table.stats()
         path = jaxdist.Checkpoint(strategy).write(str(tmp_path / "ckpt"))
+        _check_load(path, [cluster.ps(i).servicer.dynamic.get("ck").export() for i in range(2)], key_dtype)
         _train_some(coord, table, batches[:5])  # changes after the save: a restore takes them back
         assert not np.array_equal(table.lookup(probe), saved_rows)
         jaxdist.Checkpoint(strategy).restore(path)
@@ -224,6 +231,27 @@ def test_checkpoint_restores_into_three_ps_tasks(tmp_path, key_dtype: str) -> No
         strategy.close()
 
 
+def _check_load(path: str, shards: list[dict[str, Any]], key_dtype: str) -> None:
+    """jaxdist.checkpoint.load gives the saved table: every shard's keys, rows and per-row state, merged."""
+    got = jaxdist.checkpoint.load(path, with_optimizer_state=True)["dynamic_tables"]
+    assert list(got) == ["ck"]
+    t = got["ck"]
+    assert t["num_shards"] == 2 and t["config"]["name"] == "ck" and t["config"]["optimizer"]["name"] == "lazy_adam"
+    assert t["keys"].dtype.kind == ("i" if key_dtype == "int64" else "U")  # numpy strings: no pickle
+    want: dict[Any, tuple[np.ndarray, ...]] = {}
+    for e in shards:
+        for j, k in enumerate(e["keys"].tolist()):
+            want[k] = (e["values"][j], e["t"][j], e["slot_m"][j], e["slot_v"][j])
+    assert t["keys"].tolist() == sorted(want) and len(want) > 0
+    st = t["optimizer_state"]
+    assert sorted(st) == ["m", "t", "v"]
+    for i, k in enumerate(t["keys"].tolist()):
+        v, steps, m, var = want[k]
+        assert np.array_equal(t["values"][i], v) and st["t"][i] == steps
+        assert np.array_equal(st["m"][i], m) and np.array_equal(st["v"][i], var)
+    assert jaxdist.checkpoint.load(path)["dynamic_tables"]["ck"].keys() == {"config", "num_shards", "keys", "values"}
+
+
 def _export_of(path: str, file: str, config: Any) -> dict[str, Any]:
     import os
 
@@ -231,3 +259,47 @@ def _export_of(path: str, file: str, config: Any) -> dict[str, Any]:
 
     with np.load(os.path.join(path, file)) as f:
         return unpack_export(config, lambda k: f[k])
+
+
+def test_a_create_refused_by_one_ps_is_completed_by_the_same_create_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Creation is idempotent, not rolled back: a PS that refuses leaves the other PS's (empty) shard,
+    the handle is not made, and the same constructor again completes the table, keeping that shard."""
+    with InProcessCluster(num_workers=1, num_ps=2) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        try:
+            ps1 = cluster.ps(1).servicer.dynamic
+            real_create = ps1.create
+            refusals = []
+
+            def refuse_once(*args: Any) -> bool:
+                if not refusals:
+                    refusals.append(args)
+                    raise InvalidRequestError("refused by the test")
+                return real_create(*args)
+
+            monkeypatch.setattr(ps1, "create", refuse_once)
+            with strategy.scope():
+                with pytest.raises(InvalidRequestError, match="refused by the test") as info:
+                    jaxdist.DynamicEmbedding(DIM, name="t")
+            assert any("ps:0 hold their (empty) shard" in n and "again completes it" in n
+                       for n in getattr(info.value, "__notes__", []))
+            assert "t" not in strategy.dynamic_tables and ps1.names() == []
+            kept = cluster.ps(0).servicer.dynamic.get("t")
+            with strategy.scope():
+                table = jaxdist.DynamicEmbedding(DIM, name="t")
+            assert cluster.ps(0).servicer.dynamic.get("t") is kept  # kept as it was, not made again
+            assert ps1.names() == ["t"] and strategy.dynamic_tables["t"] is table
+            keys = np.arange(20, dtype=np.int64)
+            table.apply_gradients(keys, np.ones((20, DIM), np.float32))
+            assert table.stats()["rows"] == 20 and sorted(set(shard_of(hash_keys(keys), 2).tolist())) == [0, 1]
+
+            # A PS holding a table of that name with another config refuses for good (ALREADY_EXISTS):
+            # the error says which PS tasks hold the new shard; nothing is registered.
+            strategy.connections.client(1).create_dynamic_table(DynamicTableConfig("u", (DIM + 1,)), 1, 2)
+            with strategy.scope():
+                with pytest.raises(VariableExistsError) as info2:
+                    jaxdist.DynamicEmbedding(DIM, name="u")
+            assert any("ps:0 hold their (empty) shard" in n for n in getattr(info2.value, "__notes__", []))
+            assert "u" not in strategy.dynamic_tables and cluster.ps(0).servicer.dynamic.names() == ["t", "u"]
+        finally:
+            strategy.close()

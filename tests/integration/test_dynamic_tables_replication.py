@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from jaxdist.base.errors import InvalidRequestError
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.dynamic_table import AdmissionConfig, DynamicTableConfig, EvictionConfig, RowOptimizer
 from jaxdist.ps_server.server import ParameterServer
@@ -94,3 +95,45 @@ def test_restore_on_a_replicated_primary_reaches_the_backup(pair, tmp_path) -> N
     e.files.add(file=saved.file_name, sha256=saved.sha256)
     pc.restore(req)
     assert _digests(primary) == {"t": saved_digest} == _digests(backup)
+
+
+def test_a_shard_over_the_message_limit_is_synced_and_forwarded_in_chunks() -> None:
+    """The full sync and a restore's forward send a dynamic shard's arrays as payload frames after the
+    header (as a variable's value), not inline in one protobuf message: a backup that takes messages
+    of 5 MB at most receives an 8 MB shard whole, twice, and stays attached and identical."""
+    from jaxdist.ps_server.dynamic_tables import install_message
+
+    limit = 5 << 20  # > codec.CHUNK_BYTES (4 MB), the payload frame size
+    primary = ParameterServer(credentials=CREDS, data_port=None)
+    backup = ParameterServer(credentials=CREDS, data_port=None, max_message_bytes=limit)
+    for s in (primary, backup):
+        s.start()
+    pc = PSClient(primary.address, CREDS)
+    try:
+        cfg = DynamicTableConfig("big", (64,), seed=1, optimizer=RowOptimizer("lazy_adam", 0.1))
+        pc.create_dynamic_table(cfg, 0, 1)
+        rng = np.random.default_rng(0)
+        for i in range(4):
+            keys = np.arange(i * 2500, (i + 1) * 2500, dtype=np.int64)
+            pc.dynamic_push("big", keys, rng.standard_normal((2500, 64)).astype(np.float32), update_id=f"p{i}")
+        shard = primary.servicer.dynamic.get("big")
+        assert install_message(shard).ByteSize() > limit + (2 << 20)  # inline, it could not pass
+        pc.set_backup(backup.address, 1)  # the full sync
+        assert _digests(backup) == _digests(primary) and len(backup.servicer.dynamic.get("big")) == 10000
+        pc.dynamic_push("big", np.arange(5, dtype=np.int64), np.ones((5, 64), np.float32), update_id="after")
+        primary.servicer.dynamic.forward_installs(["big"])  # what a restore on the primary sends
+        repl = primary.servicer.replication
+        assert repl.backup == backup.address and repl.degraded_events == 0  # not detached by a refusal
+        assert _digests(backup) == _digests(primary)
+        # A payload short or long by one array is refused before anything changes.
+        payload: list[np.ndarray] = []
+        msg = install_message(shard, payload)
+        before = _digests(backup)
+        for bad, match in ((payload[:-1], "payload is short"), (payload + [payload[0]], "more payload arrays")):
+            with pytest.raises(InvalidRequestError, match=match):
+                backup.servicer.dynamic.accept_installs([msg], replace_all=True, payload=bad)
+        assert _digests(backup) == before
+    finally:
+        pc.close()
+        for s in (primary, backup):
+            s.stop(grace=None)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from jaxdist.testing import poll_for
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 SEED = 20261128
@@ -73,6 +75,39 @@ def test_the_checks_catch_each_violation(nemesis: ModuleType, tmp_path: Path) ->
     unswapped["read_from"][1][0] = unswapped["read_from"][0][0]  # shard 0 read twice from one process
     assert "not both read" in violations(unswapped)[0]
     assert "whole number of epochs" in violations(_final(13, 4, 10, B))[0]
+
+
+def test_a_stop_signals_only_the_process_of_the_status_line(nemesis: ModuleType) -> None:
+    """The driver SIGSTOPs a task by the pid of the job's latest status line. Once that task exited its
+    pid may be another process's: the pid is signalled only while it is the process that started then
+    (its start time, /proc/PID/stat field 22, rides on the status line)."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        started = nemesis.start_time(proc.pid)
+        assert started is not None
+        # Another start time than the status line's: the task exited and its pid went to this process.
+        assert nemesis.SameProcess.open(proc.pid, str(int(started) + 1)) is None
+        assert nemesis.SameProcess.open(proc.pid, None) is None
+        same = nemesis.SameProcess.open(proc.pid, started)
+        assert same is not None
+        with same:
+            assert same.send(signal.SIGSTOP)
+            poll_for(lambda: _stopped(proc.pid), 10, what="the process stopped")
+            assert same.send(signal.SIGCONT)
+            poll_for(lambda: not _stopped(proc.pid), 10, what="the process running again")
+            proc.kill()
+            proc.wait()
+            assert not same.send(signal.SIGSTOP)  # gone: nothing else is signalled
+        assert nemesis.SameProcess.open(proc.pid, started) is None
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
 def test_a_resumed_run_is_checked_against_what_earlier_runs_saved(nemesis: ModuleType, tmp_path: Path) -> None:

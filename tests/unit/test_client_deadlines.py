@@ -229,3 +229,46 @@ def test_a_pull_with_a_given_timeout_is_not_asked_again(ps_server: Any, ps_clien
         hook.release.set()
     t.join(60)
     assert not t.is_alive()
+
+
+def test_a_dynamic_push_the_ps_works_on_past_its_deadline_completes_once(ps_server: Any, ps_client: Any) -> None:
+    # A dynamic table's push can outlast its transfer deadline (a doubling copies the shard's
+    # columns): resent under its id while the PS answers, applied once.
+    from jaxdist.ps_server.dynamic_table import DynamicTableConfig, RowOptimizer
+
+    ps_client.create_dynamic_table(DynamicTableConfig("d", (2,), initializer="zeros",
+                                                      optimizer=RowOptimizer("sgd", 1.0)), 0, 1)
+    entered, release = threading.Event(), threading.Event()
+    calls: list[object] = []
+
+    def slow_forward(header: object) -> None:  # runs inside the push, after the table applied it
+        calls.append(header)
+        entered.set()
+        assert release.wait(120), "the test never released the push"
+
+    ps_server.servicer.dynamic.forward = slow_forward
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["answer"] = ps_client.dynamic_push("d", np.array([1, 2]), -np.ones((2, 2), np.float32),
+                                                      update_id="dyn-slow")
+        except BaseException as e:  # handed to the test's thread
+            result["error"] = e
+
+    t = threading.Thread(target=run, name="jaxdist-test-dynamic-push", daemon=True)
+    t.start()
+    try:
+        assert entered.wait(60)
+        poll_for(lambda: ps_client.push_resends >= 2, timeout=60, what="the client to resend the held push")
+        assert "error" not in result and t.is_alive()
+    finally:
+        release.set()
+    t.join(60)
+    assert not t.is_alive()
+    assert "error" not in result, result.get("error")
+    assert result["answer"].duplicate  # the copy that got through waited for the first one
+    assert len(calls) == 1
+    ps_server.servicer.dynamic.forward = None
+    rows, _ = ps_client.dynamic_lookup("d", np.array([1, 2]))
+    np.testing.assert_array_equal(rows, np.ones((2, 2), np.float32))  # applied once

@@ -290,3 +290,166 @@ def test_changes_since_refuses_a_step_older_than_its_eviction_log() -> None:
     with pytest.raises(ConfigurationError):
         restored.changes_since(restored.step - 1)
     assert len(restored.changes_since(restored.step)[0]) == 0
+
+
+# ----------------------------------------------------------------- storage at scale (vectorised shard)
+def _grads(n: int, dim: int = 2, value: float = 1.0) -> np.ndarray:
+    return np.full((n, dim), value, np.float32)
+
+
+def test_growth_through_many_doublings_keeps_every_row() -> None:
+    """40k keys in uneven batches: the columns double 12 times and the hash index is rebuilt many
+    times; every row is still found, equal to its initializer minus the pushes it received."""
+    cfg = DynamicTableConfig("g", (2,), optimizer=RowOptimizer("sgd", learning_rate=0.5), seed=3)
+    t = DynamicTableShard(cfg)
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(np.arange(-20_000, 20_000, dtype=np.int64) * 7919)
+    at = 0
+    while at < keys.size:
+        n = int(rng.integers(1, 3000))
+        batch = keys[at:at + n]
+        again = keys[rng.integers(0, min(at + n, keys.size), size=n // 3)]  # some seen before (maybe this batch)
+        t.apply(np.concatenate([batch, again]), _grads(batch.size + again.size))
+        at += n
+    assert len(t) == keys.size == t.stats()["inserts"]
+    assert t._rows.capacity >= keys.size and t._rows.index.size >= 2 * keys.size * 0.7
+    exp = t.export()
+    assert sorted(exp["keys"].tolist()) == sorted(keys.tolist())
+    vals, admitted = t.lookup(keys)
+    assert admitted.all()
+    init = initial_rows(cfg, hash_keys(keys))
+    pushed = dict(zip(exp["keys"].tolist(), exp["freq"].tolist()))
+    for k, v, r in zip(keys.tolist()[::97], vals[::97], init[::97]):
+        np.testing.assert_allclose(v, r - 0.5 * pushed[k], rtol=1e-5, atol=1e-5)
+    absent = np.arange(1, 5000, dtype=np.int64) * 7919 + 1
+    np.testing.assert_array_equal(t.lookup(absent)[0], initial_rows(cfg, hash_keys(absent)))
+    assert len(t) == keys.size  # lookups never insert
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_eviction_under_growth_matches_a_plain_reference(policy: str) -> None:
+    """Capacity and TTL eviction while the table grows past its capacity again and again (freed
+    slots reused, tombstones in the index): kept keys, order, counts as a dict-based reference."""
+    cap, ttl = 1500, 40
+    cfg = DynamicTableConfig("e", (1,), optimizer=RowOptimizer("sgd", 0.1),
+                             eviction=EvictionConfig(capacity=cap, policy=policy, ttl_steps=ttl))
+    t = DynamicTableShard(cfg)
+    order: dict[int, None] = {}  # recency, least recent first
+    last: dict[int, int] = {}
+    freq: dict[int, int] = {}
+    ev_ttl = ev_cap = 0
+    rng = np.random.default_rng(1)
+    for step in range(1, 121):
+        fresh = rng.integers(0, 1 << 40, size=int(rng.integers(50, 400)))
+        hot = rng.zipf(1.5, size=100) % 3000
+        keys = np.concatenate([fresh, hot]).astype(np.int64)
+        t.apply(keys, np.zeros((keys.size, 1), np.float32))
+        for k in dict.fromkeys(keys.tolist()):
+            order.pop(k, None)
+            order[k] = None
+            last[k] = step
+            freq[k] = freq.get(k, 0) + int((keys == k).sum())
+        for k in [k for k in order if last[k] < step - ttl]:
+            del order[k], last[k], freq[k]
+            ev_ttl += 1
+        over = len(order) - cap
+        if over > 0:
+            if policy == "lru":
+                victims = list(order)[:over]
+            else:
+                ks = np.asarray(list(order), dtype=np.int64)
+                victims = ks[np.lexsort((hash_keys(ks), [last[k] for k in ks.tolist()],
+                                         [freq[k] for k in ks.tolist()]))][:over].tolist()
+            for k in victims:
+                del order[k], last[k], freq[k]
+            ev_cap += over
+    exp = t.export()
+    assert exp["keys"].tolist() == list(order)
+    assert exp["freq"].tolist() == [freq[k] for k in order] and exp["last"].tolist() == [last[k] for k in order]
+    s = t.stats()
+    assert (s["rows"], s["evictions_ttl"], s["evictions_capacity"]) == (len(order), ev_ttl, ev_cap)
+    assert ev_cap > 10 * cap  # the table went past its capacity many times over
+    assert t._rows.hi <= cap + 500  # freed slots are reused: storage stays bounded
+    assert DynamicTableShard.copy_of(cfg, exp).digest() == t.digest()
+
+
+def test_hash_collisions_long_probe_chains_and_tombstones() -> None:
+    """Keys whose hashes all start probing at the same index position: long linear-probing chains,
+    several keys of one push contending for one free position, removals (tombstones) in the middle
+    of a chain and their reuse; every key still maps to its own row."""
+    size = 1 << 12
+    cand = np.arange(4_000_000, dtype=np.int64)
+    same = cand[(hash_keys(cand) & np.uint64(size - 1)) == 5][:300]
+    assert same.size == 300
+    cfg = DynamicTableConfig("c", (1,), optimizer=RowOptimizer("sgd", 1.0), initializer="zeros",
+                             eviction=EvictionConfig(capacity=200))
+    t = DynamicTableShard(cfg)
+    t._rows.index.reserve(1500, t._rows.alive, t._rows.cols["ident"], t._rows.capacity)  # size 1 << 12
+    assert t._rows.index.size == size
+    # One push: all 300 contend for position 5, and the 100 least recent are evicted (tombstones).
+    t.apply(same, -np.arange(1, 301, dtype=np.float32).reshape(300, 1))
+    assert len(t) == 200 and t._rows.index.tombs == 100
+    vals, _ = t.lookup(same[100:])
+    np.testing.assert_array_equal(vals[:, 0], np.arange(101, 301, dtype=np.float32))
+    # The evicted ones come back into tombstones of the chain; the 50 least recent go.
+    t.apply(same[:50], -np.full((50, 1), 1000.0, np.float32))
+    vals, _ = t.lookup(same)
+    np.testing.assert_array_equal(vals[:50, 0], np.full(50, 1000.0, np.float32))
+    np.testing.assert_array_equal(vals[50:150, 0], np.zeros(100, np.float32))  # evicted: initializer
+    np.testing.assert_array_equal(vals[150:, 0], np.arange(151, 301, dtype=np.float32))
+    index = t._rows.index
+    assert (index.live, index.tombs, index.size) == (200, 100, size)  # the 50 inserts reused tombstones
+    assert sorted(t.export()["keys"].tolist()) == sorted(same[:50].tolist() + same[150:].tolist())
+
+
+def test_bounded_pending_keys_forget_the_oldest_first() -> None:
+    """``max_pending`` reached within a push: keys are appended in first-occurrence order and the
+    least recent is forgotten at each append; a key forgotten earlier in the same push and sighted
+    later in it starts again from its new sightings (a dict-based FIFO reference)."""
+    cfg = DynamicTableConfig("p", (1,), admission=AdmissionConfig(min_count=3, max_pending=8))
+    t = DynamicTableShard(cfg)
+    pending: dict[int, int] = {}
+    forgotten = inserted = 0
+    rng = np.random.default_rng(2)
+    for _ in range(60):
+        keys = rng.integers(0, 40, size=int(rng.integers(1, 12))).astype(np.int64)
+        have = set(t.export()["keys"].tolist())
+        count = {k: int((keys == k).sum()) for k in dict.fromkeys(keys.tolist())}
+        waiting = [k for k in count if k not in have]
+        reach = {k for k in waiting if pending.get(k, 0) + count[k] >= 3}  # planned before any change
+        t.apply(keys, np.zeros((keys.size, 1), np.float32))
+        for k in waiting:
+            if k in reach:
+                pending.pop(k, None)
+                inserted += 1
+                continue
+            pending[k] = pending.pop(k, 0) + count[k]
+            while len(pending) > 8:
+                pending.pop(next(iter(pending)))
+                forgotten += 1
+        exp = t.export()
+        assert dict(zip(exp["pending_keys"].tolist(), exp["pending_counts"].tolist())) == pending
+        assert exp["pending_keys"].tolist() == list(pending)  # least recent first
+    assert t.stats()["pending_forgotten"] == forgotten > 0 and t.stats()["inserts"] == inserted
+
+
+def test_slot_numbers_past_int32_widen_the_index_and_the_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index, the ticks and the recency log hold int32 until slot numbers or log positions need
+    more (here: past 300, patched): then int64, with every row and the order unchanged."""
+    import jaxdist.ps_server.dynamic_table as dt
+
+    cfg = DynamicTableConfig("w", (2,), optimizer=RowOptimizer("adagrad"), eviction=EvictionConfig(capacity=900))
+    narrow, wide = DynamicTableShard(cfg), DynamicTableShard(cfg)
+    monkeypatch.setattr(dt, "_INT32_SLOTS", 300)
+    rng = np.random.default_rng(5)
+    for _ in range(30):
+        keys = rng.integers(0, 3000, size=100).astype(np.int64)
+        grads = rng.normal(size=(100, 2)).astype(np.float32)
+        wide.apply(keys, grads)
+        with monkeypatch.context() as m:
+            m.setattr(dt, "_INT32_SLOTS", (1 << 31) - 1)
+            narrow.apply(keys, grads)
+    assert wide._rows._log.dtype == np.int64 and wide._rows.cols["tick"].dtype == np.int64
+    assert wide._rows.index._table.dtype == np.int64
+    assert narrow._rows._log.dtype == np.int32 and narrow._rows.index._table.dtype == np.int32
+    assert wide.digest() == narrow.digest() and wide.stats()["evictions"] > 0

@@ -231,3 +231,98 @@ def test_segments_unions() -> None:
     t = ChangeTracker()
     res, unions = t.cut("", 0, True, [r])
     assert not res.available and unions is None
+
+
+def _dyn_cut(store: VariableStore, tables: Any, base: Any, delta: bool) -> tuple[Any, Any]:
+    gen, cut = (base.generation, base.cut) if base is not None else ("", 0)
+    with store.export_cut([], gen, cut, delta, tables.participants()) as (result, _, keyed):
+        return result, keyed
+
+
+def _apply_keyed(state: dict[Any, np.ndarray], keyed: tuple[np.ndarray, np.ndarray, Any]) -> None:
+    keys, values, evicted = keyed
+    assert evicted is not None  # changes, not the whole table
+    for k in evicted:
+        state.pop(k, None)
+    for k, v in zip(keys.tolist(), values):
+        state[k] = v
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_dynamic_table_changes_under_concurrent_pushes_are_in_exactly_one_cut(key_dtype: str) -> None:
+    from jaxdist.ps_server.dynamic_table import AdmissionConfig, DynamicTableConfig, EvictionConfig
+    from jaxdist.ps_server.dynamic_tables import DynamicTables
+
+    store = VariableStore()
+    tables = DynamicTables(store)
+    cfg = DynamicTableConfig("d", (2,), key_dtype=key_dtype, admission=AdmissionConfig(min_count=2),
+                             eviction=EvictionConfig(capacity=30, ttl_steps=40))
+    tables.create(cfg, 0, 1)
+    base, keyed = _dyn_cut(store, tables, None, delta=False)
+    assert keyed[0][2] is None and len(keyed[0][0]) == 0  # a full cut: every row (none yet)
+    state: dict[Any, np.ndarray] = {}
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def pusher(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        n = 0
+        try:
+            while not stop.is_set() or n < 30:
+                ks = rng.integers(0, 80, size=6)
+                keys: Any = ks if key_dtype == "int64" else [f"key-{k}" for k in ks.tolist()]
+                tables.push("d", keys, rng.standard_normal((6, 2)).astype(np.float32), f"u{seed}-{n}")
+                n += 1
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=pusher, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(15):
+            base, keyed = _dyn_cut(store, tables, base, delta=True)
+            assert base.available
+            _apply_keyed(state, keyed[0])
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    assert not errors
+    base, keyed = _dyn_cut(store, tables, base, delta=True)
+    _apply_keyed(state, keyed[0])
+    e = tables.get("d").export()
+    keys, values = e["keys"].tolist(), e["values"]
+    assert sorted(state) == sorted(keys) and len(keys) > 0
+    np.testing.assert_array_equal(np.asarray([state[k] for k in keys]), values)
+    st = tables.get("d").stats()
+    assert st["evictions_capacity"] > 0 and st["admissions_refused"] > 0
+
+
+def test_a_dynamic_shard_whose_eviction_log_no_longer_reaches_the_base_is_exported_whole() -> None:
+    from jaxdist.ps_server.dynamic_table import DynamicTableConfig, EvictionConfig
+    from jaxdist.ps_server.dynamic_tables import DynamicTables
+
+    store = VariableStore()
+    tables = DynamicTables(store)
+    tables.create(DynamicTableConfig("d", (2,), eviction=EvictionConfig(capacity=2)), 0, 1)
+    shard = tables.get("d")
+    shard.EVICTION_LOG = 3  # this shard's log keeps the latest 3 evictions
+    g = np.ones((1, 2), np.float32)
+    base, _ = _dyn_cut(store, tables, None, delta=False)
+    for k in range(4):  # 2 evictions: the log still reaches the base
+        tables.push("d", np.asarray([k]), g, f"a{k}")
+    base, keyed = _dyn_cut(store, tables, base, delta=True)
+    assert keyed[0][0].tolist() == [2, 3] and keyed[0][2] == [0, 1]
+    for k in range(4, 10):  # 6 evictions: the oldest are forgotten
+        tables.push("d", np.asarray([k]), g, f"a{k}")
+    result, keyed = _dyn_cut(store, tables, base, delta=True)
+    assert result.available and keyed[0][2] is None  # whole: the exporter writes a full export
+    assert keyed[0][0].tolist() == [8, 9]
+    # Replaced whole (a restore): whole again in the next delta, then changes again.
+    tables.install([type(shard).restore(shard.config, [shard.export()])])
+    result, keyed = _dyn_cut(store, tables, result, delta=True)
+    assert keyed[0][2] is None
+    tables.push("d", np.asarray([11]), g, "b")
+    _, keyed = _dyn_cut(store, tables, result, delta=True)
+    assert keyed[0][0].tolist() == [11] and keyed[0][2] == [8]

@@ -573,3 +573,127 @@ def test_probe_jitter_leaves_pythons_global_random_alone() -> None:
         h.heartbeat_answered(0, "inc-0")  # each answer draws the next probe's jitter
         h.closures_returned(1, [])
     assert random.random() == expected
+
+
+# ------------------------------------------------- the coordinator's own stall (tick_interval set)
+TICK = 0.1
+
+
+def ticking(workers: int, *, timeout: float = 3.0, rate: float = 200.0) -> tuple[FailureHandler, FakeClock]:
+    """``workers`` healthy workers of a handler that measures its own lateness from ticks due every 0.1 s."""
+    clock = FakeClock()
+    h = FailureHandler(timeout, clock=clock, heartbeat_interval=0.5, max_probe_rate=rate, rng=lambda: 0.5,
+                       tick_interval=TICK)
+    for i in range(workers):
+        h.add_worker(i)
+        h.worker_configured(i, f"inc-{i}")
+    h.tick()  # the first tick: what the next ones are measured from
+    return h, clock
+
+
+def run_ticks(h: FailureHandler, clock: FakeClock, seconds: float) -> list[fh.Decision]:
+    """Tick on time (every 0.1 s) for ``seconds``: the coordinator runs normally. Returns every decision."""
+    out: list[fh.Decision] = []
+    for _ in range(round(seconds / TICK)):
+        clock.t += TICK
+        out += h.tick()
+    return out
+
+
+def dead(decisions: list[fh.Decision]) -> list[int]:
+    return [d.worker for d in decisions if isinstance(d, fh.DeclareDead)]
+
+
+def test_a_late_tick_is_the_coordinators_stall_not_the_workers_silence() -> None:
+    """The loop could not run for 10 s (GC, CPU starvation, the process descheduled): the tick that
+    finally runs finds every probe 10 s old in raw time, and fails nobody."""
+    h, clock = ticking(2)
+    sent = probes(run_ticks(h, clock, 0.6))
+    assert sorted(sent) == [0, 1]  # both probed, neither answered yet
+    clock.t += 10.0
+    assert h.tick() == []
+    assert h.stalled_s == pytest.approx(9.9)  # the gap less the one tick interval that was due
+    assert h.is_healthy(0) and h.is_healthy(1)
+
+
+def test_a_silent_worker_fails_after_the_timeout_the_coordinator_observed() -> None:
+    """A frozen worker (its probe never answered) is still declared dead, after failure_timeout of
+    time the coordinator ran, however long the coordinator itself stalled in between."""
+    h, clock = ticking(1, timeout=3.0)
+    assert probes(run_ticks(h, clock, 0.6)) == [0]  # the probe leaves at 0.6 s
+    assert dead(run_ticks(h, clock, 1.0)) == []  # 1.0 s observed
+    clock.t += 5.0  # a 5 s stall (4.9 s of it not observed)
+    assert dead(h.tick()) == []  # 1.1 s observed
+    assert dead(run_ticks(h, clock, 1.8)) == []  # 2.9 s observed
+    assert dead(run_ticks(h, clock, 0.2)) == [0]  # past 3 s observed
+    assert h.stalled_s == pytest.approx(4.9)
+
+
+def test_a_coordinator_running_normally_fails_a_frozen_worker_within_the_timeout() -> None:
+    """Ticks that run a little late (within STALL_GRACE_S) are ordinary jitter: nothing is discounted,
+    and a worker that never answers fails exactly as without stall accounting."""
+    h, clock = ticking(1, timeout=3.0)
+    assert probes(run_ticks(h, clock, 0.6)) == [0]
+    out: list[fh.Decision] = []
+    for _ in range(21):  # ticks 0.04 s late each: 21 x 0.14 = 2.94 s
+        clock.t += TICK + 0.04
+        out += h.tick()
+    assert dead(out) == [] and h.stalled_s == 0.0
+    clock.t += TICK
+    assert dead(h.tick()) == [0]
+
+
+def test_a_miss_reported_before_the_late_tick_is_not_charged_the_stall() -> None:
+    """After a stall the loop may carry out a heartbeat's DEADLINE_EXCEEDED before the late tick runs:
+    the miss itself accounts the stall first, so the worker is asked again instead of failed."""
+    h, clock = ticking(1, timeout=3.0)
+    assert probes(run_ticks(h, clock, 0.6)) == [0]
+    clock.t += 3.5  # the probe's deadline ran out while the coordinator could not run
+    assert h.heartbeat_missed(0) == []
+    assert h.is_healthy(0) and h.stalled_s == pytest.approx(3.4)
+    assert probes(run_ticks(h, clock, 0.1)) == [0]  # asked again at once
+    h.heartbeat_answered(0, "inc-0")
+    assert h.worker_status(0).failures == 0
+
+
+def test_every_worker_missing_right_after_the_coordinators_stall_is_not_n_failures() -> None:
+    """200 workers with probes in flight when the coordinator stalls for 4 s: every probe times out
+    at once. That is one stall of the coordinator, not 200 failures; all are asked again and answer."""
+    h, clock = ticking(200, timeout=3.0)
+    sent: set[int] = set()
+    for d in run_ticks(h, clock, 1.5):  # the rate budget spreads the first 200 probes over 0.5-1.3 s
+        assert not isinstance(d, fh.DeclareDead)
+        if isinstance(d, fh.Probe):
+            sent.add(d.worker)
+    assert len(sent) == 200  # each probe still in flight
+    clock.t += 4.0
+    out: list[fh.Decision] = []
+    for w in sorted(sent):
+        out += h.heartbeat_missed(w)
+    assert dead(out) == []
+    again: set[int] = set()
+    for i in range(30):
+        clock.t += TICK if i else 0.0  # the first tick right after the misses
+        for d in h.tick():
+            if isinstance(d, fh.DeclareDead):
+                raise AssertionError(f"{d} after the coordinator's own stall")
+            if isinstance(d, fh.Probe):
+                again.add(d.worker)
+                h.heartbeat_answered(d.worker, f"inc-{d.worker}")
+    assert again == sent
+    assert sum(h.worker_status(i).failures for i in range(200)) == 0
+
+
+def test_a_dead_worker_is_still_found_at_once_after_a_stall() -> None:
+    """Stall accounting delays nothing that has evidence: a probe that finds nobody listening fails
+    its worker at once, stall or not."""
+    h, clock = ticking(2)
+    assert sorted(probes(run_ticks(h, clock, 0.6))) == [0, 1]
+    clock.t += 5.0
+    assert h.heartbeat_missed(0, unreachable=True) == [fh.DeclareDead(0, "unreachable (nobody listens at its address)")]
+    assert h.heartbeat_missed(1) == [] and h.is_healthy(1)
+
+
+def test_tick_interval_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="tick_interval"):
+        FailureHandler(3.0, tick_interval=0.0)

@@ -119,6 +119,29 @@ def test_join_starts_at_the_applied_step_and_skip_moves_an_idle_member() -> None
         c.skip(1, 6)  # it has an uncommitted contribution: not idle
 
 
+def test_a_worker_dropped_ahead_of_the_applied_step_rejoins_after_its_counted_steps() -> None:
+    # Staleness 2: worker 0 commits steps 0 and 1 while worker 1 is still at step 0, then fails.
+    # Its committed contributions stay in their steps; it rejoins after them, not at ``applied``.
+    c = clock(2, [0, 1])
+    for i in range(2):
+        c.stage(0, f"a/{i}", [grad("w", 1.0)])
+        c.commit(0)
+    assert c.pop_complete() == []
+    c.fence(0)
+    c.drop(0)
+    assert c.join(0, 0) == 2
+    c.stage(0, "a/2", [grad("w", 1.0)])  # its step 2, not a second push to step 0
+    # Its contribution to step 2 kept by a drop (committed on another PS) counts too: back at step 3.
+    c.fence(0)
+    c.drop(0, keep=2)
+    assert c.join(0, 0) == 3
+    for i in range(2):
+        c.stage(1, f"b/{i}", [grad("w", 3.0)])
+        c.commit(1)
+    assert [(s, [x.update_id for x in cs], n) for s, cs, n in c.pop_complete()] == [
+        (0, ["a/0", "b/0"], 2), (1, ["a/1", "b/1"], 2)]
+
+
 def test_configure_off_and_no_members() -> None:
     c = clock(-1, [0])
     assert not c.enabled and c.ready(0)
@@ -197,16 +220,36 @@ def sync(staleness: int, members: list[int]) -> tuple[SyncSteps, FakeStore]:
 
 def test_a_retried_push_never_contributes_twice() -> None:
     s, store = sync(0, [0, 1])
-    assert s.push(0, "c1/1", [grad("w", 2.0)], commit=False) == (False, 0)
-    assert s.push(0, "c1/1", [grad("w", 9.0)], commit=False) == (True, 0)  # staged: duplicate
+    assert s.push(0, "c1/1", [grad("w", 2.0)], commit=False) == (False, True, 0)
+    assert s.push(0, "c1/1", [grad("w", 9.0)], commit=False) == (True, True, 0)  # staged: duplicate, awaits commit
     s.control(SyncKind.COMMIT, 0)
     s.push(1, "c2/1", [grad("w", 4.0)], commit=True)
     assert [(st, list(v)) for st, v, _ in store.applied] == [(0, ["w"])]
     np.testing.assert_array_equal(store.applied[0][1]["w"], [3.0, 3.0])
     assert store.applied[0][2] == ["c1/1", "c2/1"]
     # A re-run of closure c2 on worker 0, after the step was applied: a duplicate, nothing staged.
-    assert s.push(0, "c2/1", [grad("w", 100.0)], commit=True) == (True, 1)
+    assert s.push(0, "c2/1", [grad("w", 100.0)], commit=True) == (True, False, 1)
     assert len(store.applied) == 1
+
+
+def test_a_duplicate_of_a_staged_uncommitted_push_still_asks_for_the_commit() -> None:
+    # With several PS tasks the closure commits only when some PS answers ``staged``: a push sent
+    # again after a lost answer (or the closure re-run on the same worker) must still say so, or the
+    # worker's step is never committed and every member waits at the barrier.
+    s, store = sync(0, [0, 1])
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (False, True, 0)
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (True, True, 0)
+    # Another worker's re-run of the same closure is a duplicate that commits nothing of worker 0's.
+    assert s.push(1, "c/1", [grad("w", 2.0)], commit=False) == (True, False, 0)
+    s.control(SyncKind.COMMIT, 0)
+    # Once committed, a duplicate no longer asks for a commit (a second one would end step 1).
+    assert s.push(0, "c/1", [grad("w", 2.0)], commit=False) == (True, False, 1)
+    assert s.control(SyncKind.STATUS).clocks == {0: 1, 1: 0}
+    # A duplicate carrying ``commit`` (one PS) commits a staged contribution it finds uncommitted.
+    assert s.push(1, "d/1", [grad("w", 4.0)], commit=False) == (False, True, 0)
+    assert s.push(1, "d/1", [grad("w", 4.0)], commit=True) == (True, False, 1)
+    assert len(store.applied) == 1 and store.applied[0][2] == ["c/1", "d/1"]
+    np.testing.assert_array_equal(store.applied[0][1]["w"], [3.0, 3.0])
 
 
 def test_a_pull_waits_at_the_barrier_until_the_slowest_commits() -> None:
@@ -241,7 +284,7 @@ def test_drop_of_a_failed_member_unblocks_the_step() -> None:
     assert r.applied == 1 and r.clocks == {0: 1}
     np.testing.assert_array_equal(store.applied[0][1]["w"], [1.0, 1.0])
     # The discarded id is free again: the closure's re-run on worker 0 contributes to worker 0's step.
-    assert s.push(0, "b/1", [grad("w", 3.0)], commit=True) == (False, 1)
+    assert s.push(0, "b/1", [grad("w", 3.0)], commit=True) == (False, False, 1)
 
 
 # ------------------------------------------------------- coordinator plans
