@@ -253,8 +253,8 @@ INTERNALS: tuple[Internal, ...] = (
     Internal(
         path="keras.optimizers.Optimizer.stateless_apply",
         kind="replaced",
-        use="on a worker's copy of an optimizer trained on the parameter servers only: raises ConfigurationError "
-            "naming apply_gradients (its state lives on the PS; Keras's own error would ask to build it)",
+        use="on a worker's copy of an optimizer trained on the parameter servers only: pushes the summed gradients "
+            "(the PS applies the optimizer, whose state lives there) and returns the PS's values after the push",
         used_by=("jaxdist.keras.ps_custom_loop",),
         signature="(self, optimizer_variables, grads, trainable_variables)",
     ),

@@ -244,7 +244,8 @@ class FrameScope(keras.StatelessScope):
         from jaxdist.keras.ps_custom_loop import refuse_weight_assign
 
         variable, value = update
-        refuse_weight_assign(variable)
+        if refuse_weight_assign(variable, value):
+            return  # a value stateless_apply pushed and read back from the parameter servers: they hold it
         view = view_of(variable)
         view.assign(aggregate_update(variable, view.value(), value), read_value=False)
 

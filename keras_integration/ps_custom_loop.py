@@ -45,9 +45,33 @@ How it works (TF's semantics: the model's state lives on the parameter servers):
   them; :func:`jaxdist.keras.sync_from_ps` copies the PS's weights (and the step counter into
   ``optimizer.iterations``) into the coordinator's model, as ``fit`` does after each epoch.
 
+Keras's stateless recipe (``grads`` from ``jax.grad`` over ``model.stateless_call``, then
+``trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)``) works too, with
+the PS's semantics (TF's: a read after an update reads the PS):
+
+- ``stateless_apply`` sums the replicas' gradients and clips them as ``apply_gradients`` does, and pushes them
+  with ``+1`` on the step counter **at the call**: inside ``strategy.run`` from the compiled step itself (a
+  host callback, once whatever the number of local replicas, in a child of the closure's push identity, so a
+  re-run closure applies it once); in the closure's body, at once. The PS applies the optimizer, once.
+- It returns the **values the PS holds right after that push** (read back from the PS: one pull of the model's
+  trainable variables), and ``optimizer_vars`` **as given**: the optimizer's state (step count, moments) lives
+  on the PS, so only their structure is checked: one value per variable of this optimizer built for this model
+  (``optimizer.build(model.trainable_variables); [v.value for v in optimizer.variables]`` on the coordinator).
+  With one worker the values equal Keras's own ``stateless_apply`` on one device; with several, pushes other
+  workers made before this one are in them too. Read the step count with :func:`jaxdist.keras.sync_from_ps`.
+- Inside ``run`` the parameter servers must be other processes: a PS serving from this process (an in-process
+  cluster) would run its optimizer step on the XLA CPU client the waiting step holds (it hung over 2 local
+  devices), so that raises :class:`~jaxdist.base.errors.ConfigurationError`.
+- Assigning those returned values back (``variable.assign(value)`` in the same run, Keras's recipe) is
+  accepted and does nothing: the PS holds them already. Any other assignment of a weight is refused.
+- ``metric.stateless_update_state(metric_vars, ...)`` is a pure function, as in Keras: inside ``run`` the
+  replicas' updates are combined (exact cross-replica values); it pushes nothing (the PS accumulators change only
+  by ``update_state``).
+
 What raises :class:`~jaxdist.base.errors.ConfigurationError` (saying what to write instead):
-``optimizer.stateless_apply`` of a PS-trained model (its state lives on the PS: use ``apply_gradients``),
-assigning a model weight directly, a layer captured without its model, a metric whose variables do not
+``stateless_apply`` with another optimizer's variables or another structure, or with values that are not the
+captured model's trainable variables, reading an optimizer variable inside ``run``, assigning a model weight
+any other value, a layer captured without its model, a metric whose variables do not
 add up (``aggregation`` other than ``"sum"``), several candidate optimizers, and an optimizer without a
 PS rule (:class:`~jaxdist.keras.ps_optimizers.UnsupportedOptimizerError`).
 """
@@ -56,6 +80,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import itertools
 import logging
 import threading
 import uuid
@@ -65,13 +91,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import io_callback
 import numpy as np
 
 import keras
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras import compat
-from jaxdist.keras.custom_loop import KerasVariableView
+from jaxdist.keras.custom_loop import KerasVariableView, _mesh_replica
 from jaxdist.keras.ps_model import (
     ps_model,
     ps_model_with_optimizer,
@@ -87,6 +114,7 @@ from jaxdist.ps_methods import local_strategy, register_run_hook
 from jaxdist.sync import context as ctx_lib
 from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSynchronization
 from jaxdist.variables import gradient_updates, pull, pulls_for_run, push_updates, split_update
+from jaxdist.worker import context as wctx
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +150,8 @@ class _OptimizerRef:
         for v in optimizer.variables:  # its step counter, learning rate: the PS's optimizer has the real ones
             _bindings[id(v)] = _Binding("optimizer", v, None, None)
 
-        def stateless_apply(*args: Any, **kwargs: Any) -> Any:
-            raise ConfigurationError(_NO_STATELESS_APPLY.format(name=optimizer.name))
+        def stateless_apply(optimizer_variables: Any, grads: Any, trainable_variables: Any) -> Any:
+            return _stateless_apply(optimizer, self, optimizer_variables, grads, trainable_variables)
 
         compat.replace_on_instance(optimizer, "stateless_apply", stateless_apply)
         return optimizer
@@ -132,8 +160,9 @@ class _OptimizerRef:
 class _ModelRef:
     """A Keras model whose variables live on the PS: its config and its PS variables."""
 
-    def __init__(self, model: Any, pm: Any) -> None:
+    def __init__(self, model: Any, pm: Any, optimizer_uid: str) -> None:
         self.uid = f"model-{pm.uid}"
+        self.optimizer_uid = optimizer_uid  # the optimizer whose stateless_apply trains this model's weights
         self.model_json = model.to_json()
         self.trainable = list(pm.trainable)
         self.non_trainable = list(pm.non_trainable)
@@ -150,6 +179,8 @@ class _ModelRef:
         group = _PullGroup(variables, self.trainable + self.non_trainable)
         for i, (v, h) in enumerate(zip(variables, group.handles)):
             _bindings[id(v)] = _Binding("weight" if i < len(self.trainable) else "state", v, h, group, index=i)
+        with _trained_lock:
+            _trained.setdefault(self.optimizer_uid, []).append(_Trained(model, group, len(self.trainable)))
         return model
 
 
@@ -229,7 +260,7 @@ def _model_ref(model: Any, strategy: Any) -> _ModelRef:
         raise ConfigurationError(f"Keras model {model.name!r} has its variables on the parameter servers with "
                                  f"optimizer {pm.optimizer.name!r} already (an earlier fit): train it with that one")
     with _lock:
-        return _model_refs.setdefault(model, _ModelRef(model, pm))
+        return _model_refs.setdefault(model, _ModelRef(model, pm, oref.uid))
 
 
 def _metric_ref(metric: Any, strategy: Any) -> _MetricRef:
@@ -381,6 +412,15 @@ class _Session:
         self.iterations: dict[int, tuple[_OptimizerRef, Any]] = {}
         self.metrics: dict[_Binding, Any] = {}
         self.states: dict[_Binding, Any] = {}
+        # optimizer.stateless_apply inside the run: its pushes happen during the compiled step (a host callback),
+        # in the closure's task context, each once whatever the number of replicas calling back.
+        self.key = next(_session_keys) % (2**31 - 1)
+        self.task = wctx.current()
+        self.lock = threading.Lock()
+        self.applied: dict[int, list[np.ndarray]] = {}  # call site -> the PS's values after its push
+        self.applied_done: Any = None  # an output of the step computed after every callback: finish waits on it
+        #: id(traced value) -> the weight binding whose post-push value it is (trace time: assigning it back is fine).
+        self.returned: dict[int, _Binding] = {}
 
     def value(self, b: _Binding) -> np.ndarray:
         """What ``b``'s variable reads in this run: a model variable's PS value (its model pulled once per run),
@@ -395,6 +435,8 @@ class _Session:
         return values[b.index]
 
     def finish(self) -> None:
+        if self.applied_done is not None:
+            np.asarray(self.applied_done)  # the step's stateless_apply pushes are done before the run's own
         updates: list[Any] = []
         for b, g in self.grads.items():
             updates.extend(gradient_updates(b.handle, np.asarray(g), broadcast=False))
@@ -411,6 +453,10 @@ class _Session:
 
 
 _SESSION: contextvars.ContextVar[_Session | None] = contextvars.ContextVar("jaxdist_keras_ps_run", default=None)
+_session_keys = itertools.count(1)
+#: Sessions of the runs in progress by key: a stateless_apply callback (on XLA's thread) finds its run's session.
+_live: dict[int, _Session] = {}
+_live_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -421,10 +467,18 @@ def _run_scope() -> Iterator[None]:
         return
     session = _Session()
     token = _SESSION.set(session)
+    with _live_lock:
+        _live[session.key] = session
     try:
         yield
     finally:
         _SESSION.reset(token)
+        try:
+            if session.applied_done is not None:
+                np.asarray(session.applied_done)  # no callback of this run still running when it is forgotten
+        finally:
+            with _live_lock:
+                _live.pop(session.key, None)
     session.finish()  # not reached when the run raised: it owes nothing
 
 
@@ -469,9 +523,9 @@ class PSBoundView(KerasVariableView):
 
 
 _NO_STATELESS_APPLY = (
-    "Keras optimizer {name!r} trains a model under ParameterServerStrategy: its state (and the model's weights) live "
-    "on the parameter servers, so optimizer.stateless_apply (or apply without the variables) has no state to take "
-    "or return. Write optimizer.apply_gradients(zip(grads, model.trainable_variables)) inside strategy.run")
+    "Keras optimizer {name!r} trains a model under ParameterServerStrategy: optimizer.apply(grads) without the "
+    "variables has no variables to apply to. Write optimizer.apply_gradients(zip(grads, model.trainable_variables)), "
+    "or Keras's stateless form, optimizer.stateless_apply(optimizer_variables, grads, trainable_values)")
 
 _WEIGHT_ASSIGNED = (
     "Keras variable {path!r} of a model trained under ParameterServerStrategy is assigned inside strategy.run: its "
@@ -485,16 +539,24 @@ def refuse_optimizer_variable(variable: Any) -> None:
     if b is not None and b.kind == "optimizer":
         raise ConfigurationError(
             f"Keras variable {variable.path!r} of an optimizer trained under ParameterServerStrategy is read inside "
-            "strategy.run: the optimizer's state lives on the parameter servers (optimizer.stateless_apply and the "
-            "optimizer's variables have no values on the worker). Write "
-            "optimizer.apply_gradients(zip(grads, model.trainable_variables)) inside strategy.run")
+            "strategy.run: the optimizer's state lives on the parameter servers (the optimizer's variables have no "
+            "values on the worker). Write optimizer.apply_gradients(zip(grads, model.trainable_variables)) inside "
+            "strategy.run, or optimizer.stateless_apply(optimizer_variables, grads, trainable_values) with "
+            "optimizer_variables read on the coordinator (optimizer.build(model.trainable_variables); "
+            "[v.value for v in optimizer.variables]): under ParameterServerStrategy only their structure is used")
 
 
-def refuse_weight_assign(variable: Any) -> None:
-    """Raise if ``variable`` is a PS-trained model's weight (assigned in a trace: only the optimizer changes it)."""
+def refuse_weight_assign(variable: Any, value: Any = None) -> bool:
+    """Raise if ``variable`` is a PS-trained model's weight (assigned in a trace: only the optimizer changes it),
+    unless ``value`` is what this run's ``optimizer.stateless_apply`` returned for it (Keras's recipe assigns the
+    new values back): then True, nothing to do (the PS holds it already). False: not such a weight."""
     b = binding(variable)
-    if b is not None and b.kind == "weight":
-        raise ConfigurationError(_WEIGHT_ASSIGNED.format(path=variable.path))
+    if b is None or b.kind != "weight":
+        return False
+    s = _SESSION.get()
+    if s is not None and value is not None and s.returned.get(id(value)) is b:
+        return True
+    raise ConfigurationError(_WEIGHT_ASSIGNED.format(path=variable.path))
 
 
 class _Slot(SyncVariable):
@@ -581,6 +643,232 @@ def ps_apply(optimizer: Any, grads: list[Any], trainable_variables: Any, replica
     steps = _iteration_slot(optimizer, ref)
     steps.assign(steps.value() + 1, read_value=False)
     return True
+
+
+class _Trained:
+    """A worker copy of a model trained by a PS optimizer: what its ``stateless_apply`` takes and returns."""
+
+    __slots__ = ("model", "group", "count", "structure")
+
+    def __init__(self, model: Any, group: _PullGroup, count: int) -> None:
+        self.model = model
+        self.group = group
+        self.count = count  # the trainable variables: the group's first ``count``
+        #: Shapes and dtypes of the optimizer's variables built for this model (made on first use).
+        self.structure: list[tuple[tuple[int, ...], np.dtype[Any]]] | None = None
+
+    @property
+    def weights(self) -> list[_Binding]:
+        out = [binding(v) for v in self.group.variables[:self.count]]
+        assert all(b is not None for b in out)
+        return out  # type: ignore[return-value]
+
+
+_trained_lock = threading.Lock()
+#: optimizer reference uid -> the worker copies of the models it trains (in this process).
+_trained: dict[str, list[_Trained]] = {}
+_done_slots: dict[int, _Slot] = {}
+_key_slot: list[_Slot] = []
+
+
+def _shape_of(x: Any) -> tuple[tuple[int, ...], str] | None:
+    shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
+    if shape is None or dtype is None:
+        return None
+    return tuple(int(d) for d in shape), str(np.dtype(keras.backend.standardize_dtype(dtype)))
+
+
+def _trained_model(optimizer: Any, ref: _OptimizerRef, trainable_variables: list[Any]) -> _Trained:
+    """The captured model whose trainable variables ``trainable_variables`` are values of (checked)."""
+    with _trained_lock:
+        candidates = list(_trained.get(ref.uid, ()))
+    given = [_shape_of(v) for v in trainable_variables]
+    matching = [t for t in candidates if t.count == len(given) and all(
+        g is not None and g[0] == tuple(b.keras_variable.shape) for g, b in zip(given, t.weights))]
+    if len(matching) == 1:
+        return matching[0]
+    if not candidates:
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r} (trained under ParameterServerStrategy) is called with "
+            "stateless_apply in a closure that did not capture the model it trains: use the model in the same "
+            "function (model.stateless_call(trainable_variables, non_trainable_variables, x))")
+    expected = [tuple(b.keras_variable.shape) for b in candidates[0].weights]
+    raise ConfigurationError(
+        f"Keras optimizer {optimizer.name!r} (trained under ParameterServerStrategy): stateless_apply's "
+        f"trainable_variables must be the values of the model's trainable variables, in model.trainable_variables "
+        f"order ({len(expected)} arrays of shapes {expected}), got {len(given)} of shapes "
+        f"{[g[0] if g is not None else type(v).__name__ for g, v in zip(given, trainable_variables)]}"
+        + (f" ({len(matching)} captured models match: one optimizer, one model)" if len(matching) > 1 else ""))
+
+
+def _optimizer_structure(ref: _OptimizerRef, trained: _Trained) -> list[tuple[tuple[int, ...], str]]:
+    """What ``optimizer.variables`` holds once the optimizer is built for ``trained``'s model (as Keras's recipe
+    builds it: ``optimizer.build(model.trainable_variables)``): a fresh copy built outside any trace."""
+    if trained.structure is None:
+        with ctx_lib.outside_frames(), compat.outside_stateless_scope(), jax.ensure_compile_time_eval():
+            fresh = keras.optimizers.deserialize(ref.config)
+            fresh.build([b.keras_variable for b in trained.weights])
+            trained.structure = [(tuple(int(d) for d in v.shape), np.dtype(keras.backend.standardize_dtype(v.dtype)))
+                                 for v in fresh.variables]
+    return [(shape, str(dtype)) for shape, dtype in trained.structure]
+
+
+def _check_optimizer_variables(optimizer: Any, ref: _OptimizerRef, trained: _Trained, given: Any) -> list[Any]:
+    if given is None or isinstance(given, (str, bytes, dict)) or not hasattr(given, "__len__"):
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r}: stateless_apply's optimizer_variables must be a list with one value "
+            f"per optimizer variable ([v.value for v in optimizer.variables] once built), got {type(given).__name__}")
+    given = list(given)
+    expected = _optimizer_structure(ref, trained)
+    got = [_shape_of(v) for v in given]
+    if len(got) != len(expected) or any(g is None or g[0] != e[0] for g, e in zip(got, expected)):
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r} (trained under ParameterServerStrategy): stateless_apply's "
+            f"optimizer_variables are not this optimizer's variables for this model: expected {len(expected)} "
+            f"values of shapes {[e[0] for e in expected]}, got {len(got)} of shapes "
+            f"{[g[0] if g is not None else type(v).__name__ for g, v in zip(got, given)]}. Pass the variables of "
+            "the same optimizer, built for the model it trains (optimizer.build(model.trainable_variables); "
+            "[v.value for v in optimizer.variables]); their values are not read: the state lives on the parameter "
+            "servers")
+    return given
+
+
+def _stateless_apply(optimizer: Any, ref: _OptimizerRef, optimizer_variables: Any, grads: Any,
+                     trainable_variables: Any) -> tuple[list[Any], list[Any]]:
+    """``optimizer.stateless_apply`` of a worker copy of a PS-trained optimizer (see the module docstring).
+
+    The replicas' gradients are summed (as ``apply_gradients``), clipped as the optimizer says, and pushed with
+    ``+1`` on the step counter right away (inside ``strategy.run``: from the compiled step, by a host callback,
+    once for all replicas; the push carries the closure's identity, so a re-run closure applies it once); the PS
+    applies the optimizer. Returns the values of the model's trainable variables the PS holds right after that push
+    (read back from it: with other workers pushing, theirs applied before it are in them too) and
+    ``optimizer_variables`` as given: the optimizer's state lives on the PS, so only their structure is checked."""
+    if trainable_variables is None or grads is None:
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r}: stateless_apply(optimizer_variables, grads, trainable_variables) "
+            "needs the gradients and the trainable variables' values")
+    values = list(trainable_variables)
+    grads = list(grads)
+    if len(grads) != len(values):
+        raise ConfigurationError(f"Keras optimizer {optimizer.name!r}: stateless_apply got {len(grads)} gradients for "
+                                 f"{len(values)} trainable variables")
+    trained = _trained_model(optimizer, ref, values)
+    optimizer_variables = _check_optimizer_variables(optimizer, ref, trained, optimizer_variables)
+    weights = trained.weights
+    present = [i for i, g in enumerate(grads) if g is not None]
+    for i in present:
+        if _shape_of(grads[i]) is None or _shape_of(grads[i])[0] != tuple(weights[i].keras_variable.shape):  # type: ignore[index]
+            raise ConfigurationError(
+                f"Keras optimizer {optimizer.name!r}: stateless_apply's gradient {i} has shape "
+                f"{getattr(grads[i], 'shape', None)}, its variable {weights[i].keras_variable.path!r} "
+                f"{tuple(weights[i].keras_variable.shape)}")
+    summed = [grads[i] for i in present]
+    replica = _mesh_replica()
+    if replica is not None and summed:
+        summed = list(replica.all_reduce("sum", summed))
+    if ref.clipping and summed:
+        summed = list(compat.clip_gradients(optimizer, summed))
+    push = functools.partial(_push_and_pull, ref, trained, present)
+    if ctx_lib.current_frame() is None:  # eager, in the closure's body: push now, read back
+        new = push([np.asarray(g) for g in summed])
+        return [jnp.asarray(v) for v in new], optimizer_variables
+    s = _session("a Keras optimizer")
+    from jaxdist.ps_server.server import serving_in_this_process  # here: importing jaxdist.keras loads no PS code
+
+    if serving_in_this_process():
+        # The callback holds the step's XLA execution thread while the PS applies the push; a PS in this process
+        # runs its optimizer step on the same XLA CPU client, which may have no thread left for it (over 2 local
+        # devices it hung): refused rather than left to the thread pool's size.
+        raise ConfigurationError(
+            f"Keras optimizer {optimizer.name!r}: stateless_apply inside strategy.run needs the parameter servers in "
+            "other processes (here a PS serves from this process, an in-process cluster, and its optimizer step "
+            "could wait for the XLA threads the step holds). Run the PS tasks as processes "
+            "(jaxdist.LocalCluster, `jaxdist ps`), or use optimizer.apply_gradients(zip(grads, "
+            "model.trainable_variables)) inside strategy.run, or call stateless_apply in the closure's body")
+    site = next(_call_sites)
+    result_shapes = ([jax.ShapeDtypeStruct(tuple(b.keras_variable.shape), np.dtype(b.keras_variable.dtype))
+                      for b in weights], jax.ShapeDtypeStruct((), np.int32))
+    key = _key_variable().value()
+    new, done = io_callback(functools.partial(_callback, site, push), result_shapes, key,
+                            [jnp.asarray(g) for g in summed])
+    slot = _done_slot(optimizer, ref)
+    slot.assign(slot.value() + done, read_value=False)
+    new = list(new)
+    for b, v in zip(weights, new):
+        s.returned[id(v)] = b
+    return new, optimizer_variables
+
+
+_call_sites = itertools.count()
+
+
+def _push_and_pull(ref: _OptimizerRef, trained: _Trained, present: list[int], grads: list[np.ndarray]) -> list[np.ndarray]:
+    """Push ``grads`` (of the weights at ``present``) and ``+1`` step; the model's trainable values after it."""
+    weights = trained.weights
+    updates: list[Any] = []
+    for i, g in zip(present, grads):
+        updates.extend(gradient_updates(weights[i].handle, np.asarray(g), broadcast=False))
+    updates.extend(split_update(ref.iterations, Op.ASSIGN_ADD, np.ones((), np.int64)))
+    push_updates(updates)
+    return [np.asarray(v) for v in pull([b.handle for b in weights])]
+
+
+def _callback(site: int, push: Callable[[list[np.ndarray]], list[np.ndarray]], key: Any,
+              grads: list[Any]) -> tuple[list[np.ndarray], np.ndarray]:
+    """The host side of one ``stateless_apply`` in a compiled step (XLA's thread, once per replica): the first
+    replica to call back pushes, in a child of the closure's identity (so its place among the closure's pushes
+    does not depend on threads); the others get the same values."""
+    with _live_lock:
+        s = _live.get(int(np.asarray(key)))
+    if s is None:
+        raise RuntimeError("jaxdist: a Keras stateless_apply callback ran outside its ParameterServerStrategy.run")
+    with s.lock:
+        got = s.applied.get(site)
+        if got is None:
+            grads = [np.asarray(g) for g in grads]
+            if s.task is None or s.task.identity is None:
+                got = push(grads)
+            else:
+                # Named by what it is, not by ``site`` (a trace-time count, another on another worker): the n-th
+                # such push of a closure attempt has the same identity in a re-run, which the PS applies once.
+                child = s.task.for_child("keras-stateless-apply")
+                assert child.identity is not None
+                child.identity.bind()
+                with wctx.use(child):
+                    got = push(grads)
+            s.applied[site] = got
+    return got, np.ones((), np.int32)
+
+
+class _KeySlot(_Slot):
+    """A step input that is the running session's key, read at each call (a callback finds its session by it)."""
+
+    __slots__ = ()
+
+    @property
+    def storage(self) -> Any:
+        return self.distribute_strategy.engine.store_variable(np.asarray(_session("a Keras optimizer").key, np.int32))
+
+    @storage.setter
+    def storage(self, value: Any) -> None:
+        raise ConfigurationError("jaxdist's stateless_apply session key is not assignable")
+
+
+def _key_variable() -> _Slot:
+    with _trained_lock:
+        if not _key_slot:
+            _key_slot.append(_KeySlot("keras-stateless-key", (), np.int32, lambda s, v: None))
+        return _key_slot[0]
+
+
+def _done_slot(optimizer: Any, ref: _OptimizerRef) -> _Slot:
+    slot = _done_slots.get(id(optimizer))
+    if slot is None:
+        def record(s: _Session, value: Any) -> None:
+            s.applied_done = value
+
+        slot = _done_slots[id(optimizer)] = _Slot(f"keras-stateless-done/{ref.uid}", (), np.int32, record)
+    return slot
 
 
 def _eager_metric_update(metric: Any, update_state: Callable[..., Any]) -> Callable[..., Any]:

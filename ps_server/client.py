@@ -178,6 +178,7 @@ class PSClient(ServiceClient):
         self._dp_lock = threading.Lock()
         #: Identified pushes sent again because their deadline passed while the PS, alive, worked.
         self.push_resends = 0
+        self.pull_retries = 0  # pulls asked again while the PS was busy (see _pull_following_work)
         # Back-off of the data plane (see _DP_RETRY_REFUSED_S): when to try it again (0: not backing
         # off) and the next wait (0: the schedule's first).
         self._dp_retry_at = 0.0
@@ -323,7 +324,7 @@ class PSClient(ServiceClient):
         ``out`` optionally gives, per spec, an array to receive the value in
         place (it is returned when it matches the variable's shape and dtype).
         """
-        header, arrays = self._pull_once(ps_wire.encode_pull(specs), timeout or _BASE_DEADLINE_S * 6, out)
+        header, arrays = self._pull_following_work(ps_wire.encode_pull(specs), timeout, 0.0, out)
         return ps_wire.pull_results(header, arrays)
 
     def pull_at_barrier(
@@ -340,13 +341,40 @@ class PSClient(ServiceClient):
         req = ps_wire.encode_pull(specs, contributor, _BARRIER_POLL_S)
         deadline = time.monotonic() + barrier_timeout
         while True:
-            header, arrays = self._pull_once(req, (timeout or _BASE_DEADLINE_S * 6) + _BARRIER_POLL_S, out)
+            header, arrays = self._pull_following_work(req, timeout, _BARRIER_POLL_S, out)
             if not header.barrier_waiting:
                 return ps_wire.pull_results(header, arrays), header.step if header.synchronous else -1
             if time.monotonic() > deadline:
                 raise StepBarrierTimeoutError(
                     f"{self.task}: worker {contributor} waited {barrier_timeout:.0f}s at the step barrier (step "
                     f"{header.step}); the slowest worker never committed its step")
+
+    def _pull_following_work(
+        self, req: ps_pb2.PullRequest, timeout: float | None, extra: float, out: Sequence[np.ndarray | None] | None
+    ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
+        """One pull (``extra`` seconds added to its deadline). Without a ``timeout``, a pull that outlasts its
+        deadline while the PS answers a health check is asked again with a doubled deadline, up to
+        :func:`push_work_timeout`: a pull of variables a push is updating waits for that push's optimizer step
+        (a PS applies a push atomically), which on a loaded host can outlast the deadline as the push does (the
+        exact mode's dense Adam over a 10M-row table). A pull changes nothing, so asking again is safe. A dead
+        or cut-off PS fails it as before; a given ``timeout`` bounds the call."""
+        first = timeout or _BASE_DEADLINE_S * 6
+        if timeout is not None:
+            return self._pull_once(req, first + extra, out)
+        limit = time.monotonic() + push_work_timeout()
+        wait = first
+        while True:
+            try:
+                return self._pull_once(req, wait + extra, out)
+            except JaxdistError as e:
+                if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
+                    raise
+                self._check_alive(e)
+            wait = min(2 * wait, max(first, limit - time.monotonic()))
+            with self._dp_lock:
+                self.pull_retries += 1
+            logger.info("%s: a pull outlasted its %.1fs deadline while the PS answers health checks (a push it "
+                        "waits for is slow); asking again with a %.1fs deadline", self.task, first, wait)
 
     def _pull_once(
         self, req: ps_pb2.PullRequest, timeout: float, out: Sequence[np.ndarray | None] | None

@@ -65,6 +65,9 @@ class ParameterServer(task_process.TaskServer):
 
     def start(self) -> int:
         port = super().start()
+        global _serving
+        with _serving_lock:
+            _serving += 1
         if self.data_plane is not None:
             try:
                 self.servicer.data_port = self.data_plane.start()
@@ -80,6 +83,9 @@ class ParameterServer(task_process.TaskServer):
         The data plane drains beside gRPC, not after it: otherwise it would keep taking new
         pushes for as long as a gRPC call in flight holds the drain open.
         """
+        global _serving
+        with _serving_lock:
+            _serving = max(0, _serving - 1)
         self.servicer.data_port = 0
         if self.data_plane is None:
             super().stop(grace)
@@ -90,6 +96,17 @@ class ParameterServer(task_process.TaskServer):
             super().stop(grace)
         finally:
             dp.join()
+
+
+_serving_lock = threading.Lock()
+_serving = 0  # ParameterServers started and not stopped in this process
+
+
+def serving_in_this_process() -> bool:
+    """Whether a PS task serves from this process (an in-process cluster): its optimizer steps then run on
+    this process's XLA devices, beside (and queued behind) the process's own compiled steps."""
+    with _serving_lock:
+        return _serving > 0
 
 
 def _ps_collector(servicer: ParameterServerServicer) -> Any:

@@ -12,6 +12,11 @@ the test metric. With 1 worker and the steps scheduled one after another, the we
 three metrics' results per epoch must equal Keras's own JAX recipe under ``jax.jit`` on one device, no
 jaxdist, within 1e-5. Keras picks its backend at import, so the checks run in one fresh subprocess
 (see device_checks).
+
+Keras's stateless recipe in closures (``optimizer.stateless_apply(optimizer_variables, grads, trainable)``,
+the PS applies the optimizer once and the call returns the PS's values after that push) is checked against
+``apply_gradients`` in the same closures and against single-device Keras, for SGD and Adam; and
+``metric.stateless_update_state`` (a pure function: the PS accumulators are not touched).
 """
 
 from __future__ import annotations
@@ -310,14 +315,22 @@ def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
             model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
             optimizer = keras.optimizers.SGD(0.1)
 
-        def stateless(batch: Any) -> Any:
-            def replica_fn(b: Any) -> Any:
-                trainable = [v.value for v in model.trainable_variables]
-                grads = jax.grad(lambda t: model.stateless_call(t, [], b[0])[0].sum())(trainable)
-                optimizer.stateless_apply([v.value for v in optimizer.variables], grads, trainable)
-                return 0.0
+        def stateless_with(optimizer_variables: Any, cut: int = 0) -> Callable[..., Any]:
+            def stateless(batch: Any) -> Any:
+                def replica_fn(b: Any) -> Any:
+                    trainable = [v.value for v in model.trainable_variables]
+                    grads = jax.grad(lambda t: model.stateless_call(t, [], b[0])[0].sum())(trainable)
+                    if cut:
+                        trainable, grads = trainable[:-cut], grads[:-cut]
+                    optimizer.stateless_apply(optimizer_variables, grads, trainable)
+                    return 0.0
 
-            return strategy.run(replica_fn, args=(batch,))
+                return strategy.run(replica_fn, args=(batch,))
+
+            return stateless
+
+        def reads_optimizer_state(batch: Any) -> Any:
+            return strategy.run(lambda b: [v.value for v in optimizer.variables][0], args=(batch,))
 
         def assigns_weight(batch: Any) -> Any:
             def replica_fn(b: Any) -> Any:
@@ -326,7 +339,26 @@ def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
 
             return strategy.run(replica_fn, args=(batch,))
 
-        raises(coordinator, stateless, "stateless_apply", "apply_gradients(zip(grads, model.trainable_variables))")
+        # SGD with momentum=0 builds no slots: its variables are the step count and the learning rate.
+        sgd_vars = [np.zeros((), np.int64), np.zeros((), np.float32)]
+        adam = keras.optimizers.Adam(0.1)  # outside the scope: another optimizer's state, for the checks below
+        adam.build(model.trainable_variables)
+        raises(coordinator, stateless_with([np.asarray(v.value) for v in adam.variables]),
+               "optimizer_variables are not this optimizer's variables", "optimizer.build(model.trainable_variables)")
+        raises(coordinator, stateless_with(sgd_vars[:1]), "expected 2 values of shapes [(), ()], got 1")
+        raises(coordinator, stateless_with(None), "optimizer_variables must be a list")
+        raises(coordinator, stateless_with(sgd_vars, cut=1), "trainable_variables must be the values of the model's",
+               "got 1 of shapes [(3, 2)]")
+        raises(coordinator, reads_optimizer_state, "is read inside strategy.run", "stateless_apply")
+        # A right call inside run, but the PS serves from this process (an in-process cluster): refused, not hung.
+        built = keras.optimizers.SGD(0.1)
+        built.build(model.trainable_variables)
+        raises(coordinator, stateless_with([np.asarray(v.value) for v in built.variables]),
+               "needs the parameter servers in other processes", "jaxdist.LocalCluster")
+        import jaxdist.keras
+
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == 0  # none of the refused calls pushed anything
         raises(coordinator, assigns_weight, "lives on the parameter servers", "optimizer.apply_gradients")
 
     with _cluster(num_ps=1) as cluster:
@@ -341,6 +373,216 @@ def unsupported_uses_raise_jaxdist_errors_that_say_what_to_write() -> None:
 
         raises(coordinator, uses_model, "2 Keras optimizers", "model.compile(optimizer=optimizer)")
         assert len(optimizers) == 2
+
+
+def _stateless_model(strategy: Any, optimizer: str, weights: list[Any] | None = None) -> tuple[Any, Any]:
+    import contextlib
+
+    import keras
+
+    keras.utils.set_random_seed(11)
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="tanh"), keras.layers.Dense(2)])
+        if weights is not None:
+            model.set_weights(weights)
+        return model, (keras.optimizers.Adam(0.05) if optimizer == "adam" else keras.optimizers.SGD(0.1, momentum=0.5))
+
+
+def _regression_batches() -> list[tuple[Any, Any]]:
+    import numpy as np
+
+    rng = np.random.default_rng(5)
+    return [(rng.normal(size=(16, 3)).astype(np.float32), rng.normal(size=(16, 2)).astype(np.float32))
+            for _ in range(6)]
+
+
+@check
+def stateless_recipe_in_ps_closures_matches_apply_gradients_and_one_device_keras() -> None:
+    """Keras's JAX recipe in ParameterServerStrategy closures, 1 PS / 1 worker: ``stateless_apply`` (its new values
+    assigned back to the model's variables, Keras's way) trains exactly as ``apply_gradients`` in the same closures
+    and as the recipe on one device without jaxdist, for SGD (momentum) and Adam; every closure's call returns the
+    values the PS holds right after its push (the last one: the PS's final weights); the PS counts one step each."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    batches = _regression_batches()
+    for name in ("sgd", "adam"):
+        model, optimizer = _stateless_model(None, name)
+        initial = [np.asarray(w) for w in model.get_weights()]
+        optimizer.build(model.trainable_variables)
+        trainable = [v.value for v in model.trainable_variables]
+        optimizer_vars = [v.value for v in optimizer.variables]
+
+        def loss_fn(t: Any, x: Any, y: Any, m: Any = model) -> Any:
+            return jnp.mean((m.stateless_call(t, [], x)[0] - y) ** 2)
+
+        for x, y in batches:
+            grads = jax.grad(loss_fn)(trainable, x, y)
+            trainable, optimizer_vars = optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        ref = [np.asarray(w) for w in trainable]
+
+        got: dict[str, list[Any]] = {}
+        for form in ("stateless", "apply_gradients"):
+            with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:  # stateless_apply in run: PS processes
+                strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+                coordinator = jaxdist.ClusterCoordinator(strategy)
+                model, optimizer = _stateless_model(strategy, name, initial)
+                optimizer.build(model.trainable_variables)  # Keras's recipe: the optimizer_variables' structure
+                optimizer_variables = [np.asarray(v.value) for v in optimizer.variables]
+
+                def replica_fn(batch: Any, form: str = form, model: Any = model, optimizer: Any = optimizer,
+                               optimizer_variables: Any = optimizer_variables) -> Any:
+                    x, y = batch
+                    trainable = [v.value for v in model.trainable_variables]
+                    grads = jax.grad(lambda t: jnp.mean((model.stateless_call(t, [], x)[0] - y) ** 2))(trainable)
+                    if form == "apply_gradients":
+                        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                        return trainable
+                    trainable, opt_vars = optimizer.stateless_apply(optimizer_variables, grads, trainable)
+                    assert opt_vars == optimizer_variables  # the state lives on the PS: returned as given
+                    for variable, value in zip(model.trainable_variables, trainable):
+                        variable.assign(value)  # Keras's recipe assigns back: the PS holds these values already
+                    return trainable
+
+                def step_fn(batch: Any, replica_fn: Any = replica_fn) -> Any:
+                    return strategy.run(replica_fn, args=(batch,))
+
+                returned = [coordinator.schedule(step_fn, args=(b,)).fetch() for b in batches]
+                coordinator.join()
+                assert jaxdist.keras.sync_from_ps(model)
+                weights = [np.asarray(w) for w in model.get_weights()]
+                assert int(np.asarray(optimizer.iterations.value)) == len(batches), (name, form)
+                if form == "stateless":
+                    for a, b in zip(jax.tree.leaves(returned[-1]), weights):
+                        np.testing.assert_array_equal(np.asarray(a), b)
+                    # each call returned the PS's values after its own push: the next closure starts from them
+                    assert not any(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in
+                                   zip(jax.tree.leaves(returned[0]), jax.tree.leaves(returned[1])))
+                got[form] = weights
+        for form, weights in got.items():
+            assert len(weights) == len(ref)
+            for i, (a, b) in enumerate(zip(weights, ref)):
+                np.testing.assert_allclose(a, b, atol=TOL, rtol=TOL, err_msg=f"{name} {form}: weight {i}")
+
+
+@check
+def stateless_apply_in_the_closure_body_pushes_once_and_returns_the_ps_values() -> None:
+    """``stateless_apply`` called eagerly in a closure's body (outside strategy.run): the push goes at once, the
+    call returns the PS's values after it, the step counter moves by one."""
+    import jax
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+
+    with _cluster(num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        model, optimizer = _stateless_model(strategy, "sgd")
+        before = [np.asarray(w) for w in model.get_weights()]
+        optimizer.build(model.trainable_variables)
+        optimizer_variables = [np.asarray(v.value) for v in optimizer.variables]
+
+        def body(_: Any) -> Any:
+            grads = [np.ones(tuple(v.shape), np.float32) for v in model.trainable_variables]
+            trainable = [np.asarray(v.value) for v in model.trainable_variables]
+            return optimizer.stateless_apply(optimizer_variables, grads, trainable)[0]
+
+        returned = coordinator.schedule(body, args=(0,)).fetch()
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == 1
+        for r, w, b in zip(jax.tree.leaves(returned), model.get_weights(), before):
+            np.testing.assert_array_equal(np.asarray(r), np.asarray(w))
+            np.testing.assert_allclose(np.asarray(w), b - 0.1, rtol=1e-6, atol=1e-6)  # SGD(0.1), gradient 1
+
+
+@check
+def stateless_apply_of_a_rerun_closure_attempt_is_applied_once() -> None:
+    """A closure attempt re-run (a fresh identity with the closure's prefix, as the worker service makes for a
+    re-run after a worker failure) whose step is traced anew: its stateless_apply push has the first attempt's
+    identity, so the PS applies it once (one step on the counter, the weights moved once)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxdist
+    import jaxdist.keras
+    from jaxdist.worker import context as wctx
+
+    x, y = _regression_batches()[0]
+    with jaxdist.LocalCluster(num_workers=1, num_ps=1) as cluster:  # stateless_apply in run: PS processes
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        model, optimizer = _stateless_model(strategy, "sgd")
+        optimizer.build(model.trainable_variables)
+        optimizer_variables = [np.asarray(v.value) for v in optimizer.variables]
+
+        def make_replica_fn(attempt: int) -> Any:  # another captured value each attempt: traced (sites counted) anew
+            def replica_fn(b: Any) -> Any:
+                trainable = [v.value for v in model.trainable_variables]
+                grads = jax.grad(lambda t: jnp.mean((model.stateless_call(t, [], b[0])[0] - b[1]) ** 2))(trainable)
+                grads = [g * (attempt - attempt + 1) for g in grads]
+                return optimizer.stateless_apply(optimizer_variables, grads, trainable)[0]
+
+            return replica_fn
+
+        def twice(batch: Any) -> Any:
+            ctx = wctx.current()
+            assert ctx is not None and ctx.identity is not None
+            out = []
+            for attempt in range(2):
+                with wctx.use(ctx.for_closure(ctx.identity.prefix)):  # the attempt's identity, as a re-run gets it
+                    out.append(strategy.run(make_replica_fn(attempt), args=(batch,)))
+            assert strategy.trace_count >= 2, strategy.trace_count
+            return out
+
+        first, second = coordinator.schedule(twice, args=((x, y),)).fetch()
+        assert jaxdist.keras.sync_from_ps(model)
+        assert int(np.asarray(optimizer.iterations.value)) == 1
+        for a, b, w in zip(jax.tree.leaves(first), jax.tree.leaves(second), model.get_weights()):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(w))
+            np.testing.assert_array_equal(np.asarray(b), np.asarray(w))
+
+
+@check
+def metric_stateless_update_state_in_ps_closures_is_a_pure_function() -> None:
+    """``metric.stateless_update_state`` inside strategy.run of a closure returns the updated values (the
+    metric's variables read their reset values in a run), and pushes nothing: the PS accumulators stay as they
+    are; ``update_state`` in the same closure still accumulates on the PS."""
+    import keras
+    import numpy as np
+
+    import jaxdist
+
+    x, y = _regression_batches()[0]
+    with _cluster(num_ps=1) as cluster:
+        strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
+        coordinator = jaxdist.ClusterCoordinator(strategy)
+        model, _ = _stateless_model(strategy, "sgd")
+        with strategy.scope():
+            mse = keras.metrics.MeanSquaredError()
+            mae = keras.metrics.MeanAbsoluteError()
+
+        def step_fn(batch: Any) -> Any:
+            def replica_fn(b: Any) -> Any:
+                pred = model(b[0])
+                mae.update_state(b[1], pred)
+                return mse.stateless_update_state([v.value for v in mse.variables], b[1], pred)
+
+            return strategy.run(replica_fn, args=(batch,))
+
+        out = [np.asarray(v) for v in coordinator.schedule(step_fn, args=((x, y),)).fetch()]
+        coordinator.join()
+        pred = np.asarray(model(x))
+        expected = keras.metrics.MeanSquaredError()
+        expected.update_state(y, pred)
+        np.testing.assert_allclose(out, [np.asarray(v.value) for v in expected.variables], rtol=1e-5)
+        assert float(mse.result()) == 0.0 and float(np.asarray(mse.variables[1].value)) == 0.0  # nothing pushed
+        np.testing.assert_allclose(float(mae.result()), float(np.mean(np.abs(y - pred))), rtol=1e-5)
 
 
 check_results = CHECKS.results_fixture()

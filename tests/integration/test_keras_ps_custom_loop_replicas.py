@@ -1,7 +1,8 @@
 """The guide's Keras custom loop inside ParameterServerStrategy closures, with the worker's ``strategy.run`` over
 2 local devices (2 fake CPU devices in one subprocess, in-process cluster): the per-worker dataset function
 uses ``strategy.distribute_datasets_from_function`` (each ``next`` gives each replica half of a global batch),
-``optimizer.apply_gradients`` sums the 2 replicas' gradients and the metrics add up the replicas' updates.
+``optimizer.apply_gradients`` (or ``stateless_apply``) sums the 2 replicas' gradients and the metrics add up the
+replicas' updates.
 Weights, step count and metric results per epoch equal Keras's own JAX recipe on one device within 1e-5
 (the reference and the program's parts are test_keras_ps_custom_loop's).
 """
@@ -48,6 +49,27 @@ class PerWorker:
 
 @CHECKS.check
 def guide_with_two_replicas_per_worker_matches_one_device_keras() -> None:
+    _guide_with_two_replicas("apply_gradients")
+
+
+@CHECKS.check
+def stateless_apply_over_two_replicas_with_an_in_process_ps_is_refused_not_deadlocked() -> None:
+    """``optimizer.stateless_apply`` inside a 2-device ``strategy.run`` with the PS tasks in this process (an
+    in-process cluster): the PS's optimizer step would wait for the XLA threads the step holds (it hung); a
+    ConfigurationError says what to write instead."""
+    from jaxdist.errors import ConfigurationError
+
+    try:
+        _guide_with_two_replicas("stateless")
+    except Exception as e:  # the closure's error, as fetch raises it
+        assert isinstance(e, ConfigurationError) or "ConfigurationError" in str(e), (type(e), str(e))
+        assert "needs the parameter servers in other processes" in str(e), str(e)
+        assert "apply_gradients" in str(e), str(e)
+        return
+    raise AssertionError("no ConfigurationError")
+
+
+def _guide_with_two_replicas(form: str) -> None:
     import jax
     import numpy as np
     import test_keras_ps_custom_loop as base
@@ -63,6 +85,8 @@ def guide_with_two_replicas_per_worker_matches_one_device_keras() -> None:
         p = base._parts(strategy, ref["initial"])
         model, loss_object, optimizer = p["model"], p["loss_object"], p["optimizer"]
         train_loss, train_accuracy = p["train_loss"], p["train_accuracy"]
+        optimizer.build(model.trainable_variables)
+        optimizer_variables = [np.asarray(v.value) for v in optimizer.variables]
 
         def train_step(inputs: Any) -> Any:
             images, labels = inputs
@@ -72,9 +96,14 @@ def guide_with_two_replicas_per_worker_matches_one_device_keras() -> None:
                 loss = jaxdist.compute_average_loss(loss_object(labels, predictions), global_batch_size=base.GLOBAL_BATCH)
                 return loss, predictions
 
-            (loss, predictions), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                [v.value for v in model.trainable_variables])
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            trainable = [v.value for v in model.trainable_variables]
+            (loss, predictions), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
+            if form == "stateless":
+                trainable, _ = optimizer.stateless_apply(optimizer_variables, grads, trainable)
+                for variable, value in zip(model.trainable_variables, trainable):
+                    variable.assign(value)
+            else:
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
             train_accuracy.update_state(labels, predictions)
             return loss
 

@@ -180,6 +180,57 @@ def test_the_push_work_timeout_defaults_and_reads_its_variable(monkeypatch: pyte
 
 
 @pytest.mark.usefixtures("short_push_deadline")
+def test_a_pull_waiting_for_a_slow_push_past_its_deadline_is_asked_again(ps_server: Any, ps_client: Any) -> None:
+    # A pull of a variable a push holds (the PS applies a push atomically) waits for that push's optimizer
+    # step; past its deadline, with the PS answering health checks, the client asks again instead of failing
+    # (the exact mode's dense Adam on a 10M-row table under load: bench/recsys.py's pulls timed out at 12 s).
+    ps_client.create([CreateSpec("w", value=np.zeros(4, np.float32))])
+    hook = _SlowApply()
+    ps_server.store.replicate = hook
+    t, result = _push_in_thread(ps_client, Update("w", Op.ASSIGN_ADD, np.ones(4, np.float32)), "u-held")
+    pulled: dict[str, Any] = {}
+
+    def pull() -> None:
+        try:
+            pulled["answer"] = ps_client.pull([PullSpec("w")])
+        except BaseException as e:  # handed to the test's thread
+            pulled["error"] = e
+
+    puller = threading.Thread(target=pull, name="jaxdist-test-pull", daemon=True)
+    try:
+        assert hook.entered.wait(60)
+        puller.start()
+        poll_for(lambda: ps_client.pull_retries >= 2, timeout=60, what="the client to ask for the held pull again")
+        assert "error" not in pulled and puller.is_alive()
+    finally:
+        hook.release.set()
+    puller.join(60)
+    t.join(60)
+    assert not puller.is_alive() and not t.is_alive()
+    assert "error" not in pulled, pulled.get("error")
+    ((value, version),) = pulled["answer"]
+    np.testing.assert_array_equal(value, np.ones(4, np.float32))  # the value after the push it waited for
+    assert version == 2
+
+
+@pytest.mark.usefixtures("short_push_deadline")
+def test_a_pull_with_a_given_timeout_is_not_asked_again(ps_server: Any, ps_client: Any) -> None:
+    ps_client.create([CreateSpec("w", value=np.zeros(4, np.float32))])
+    hook = _SlowApply()
+    ps_server.store.replicate = hook
+    t, _ = _push_in_thread(ps_client, Update("w", Op.ASSIGN_ADD, np.ones(4, np.float32)), "u-held2")
+    try:
+        assert hook.entered.wait(60)
+        with pytest.raises(PSUnavailableError) as info:
+            ps_client.pull([PullSpec("w")], timeout=0.3)
+        assert info.value.grpc_code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert ps_client.pull_retries == 0
+    finally:
+        hook.release.set()
+    t.join(60)
+    assert not t.is_alive()
+
+
 def test_a_dynamic_push_the_ps_works_on_past_its_deadline_completes_once(ps_server: Any, ps_client: Any) -> None:
     # A dynamic table's push can outlast its transfer deadline (a doubling copies the shard's
     # columns): resent under its id while the PS answers, applied once.
