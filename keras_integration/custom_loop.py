@@ -64,7 +64,7 @@ from jaxdist.sync.variables import SyncVariable, VariableAggregation, VariableSy
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HOOK", "KerasVariableView", "install_custom_loop_support", "view_of"]
+__all__ = ["HOOK", "KerasVariableView", "install_custom_loop_support", "mesh_replica", "view_of"]
 
 #: The name of the sync core's trace hook this module registers.
 HOOK = "keras"
@@ -179,7 +179,7 @@ def _forget_view(key: int) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-def _mesh_replica() -> Any:
+def mesh_replica() -> Any:
     """The replica context of a synchronous strategy's ``run`` being traced (outside merge_fn), else None."""
     rep = ctx_lib.get_replica_context()
     if rep is None or rep.axis_name is None:
@@ -192,7 +192,7 @@ def aggregate_update(variable: Any, old: Any, new: Any) -> Any:
 
     Outside a synchronous strategy's replica context: ``new`` itself.
     """
-    rep = _mesh_replica()
+    rep = mesh_replica()
     if rep is None:
         return new
     aggregation = str(getattr(variable, "aggregation", "none") or "none").lower()
@@ -289,12 +289,12 @@ def optimizer_apply(original: Callable[..., Any]) -> Callable[..., Any]:
         from jaxdist.keras.ps_custom_loop import ps_apply
 
         grads = list(grads)
-        if ps_apply(self, grads, trainable_variables, _mesh_replica()):
+        if ps_apply(self, grads, trainable_variables, mesh_replica()):
             return None  # a worker's copy of an optimizer trained under ParameterServerStrategy: the PS applies
         if trainable_variables is not None and not self.built and _in_frame():
             trainable_variables = list(trainable_variables)
             _build_outside_trace(self, trainable_variables)
-        rep = _mesh_replica()
+        rep = mesh_replica()
         if rep is not None and grads:
             present = [i for i, g in enumerate(grads) if g is not None]
             summed = rep.all_reduce("sum", [grads[i] for i in present])
@@ -331,7 +331,7 @@ def metric_stateless_update(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def stateless_update_state(self: Any, metric_variables: Any, *args: Any, **kwargs: Any) -> Any:
         new = original(self, metric_variables, *args, **kwargs)
-        if _mesh_replica() is None:
+        if mesh_replica() is None:
             return new
         out = []
         for var, old, value in zip(self.variables, metric_variables, new):
@@ -351,7 +351,7 @@ def loss_reduction(original: Callable[..., Any]) -> Callable[..., Any]:
     def reduce_weighted_values(
         values: Any, sample_weight: Any = None, mask: Any = None, reduction: Any = "sum_over_batch_size", dtype: Any = None
     ) -> Any:
-        if reduction in _AVERAGING_REDUCTIONS and _mesh_replica() is not None:
+        if reduction in _AVERAGING_REDUCTIONS and mesh_replica() is not None:
             strategy = ctx_lib.get_strategy()
             raise ConfigurationError(
                 f"a Keras loss with reduction={reduction!r} is called inside {type(strategy).__name__}.run: it "

@@ -98,7 +98,7 @@ import keras
 
 from jaxdist.base.errors import ConfigurationError
 from jaxdist.keras import compat
-from jaxdist.keras.custom_loop import KerasVariableView, _mesh_replica
+from jaxdist.keras.custom_loop import KerasVariableView, mesh_replica
 from jaxdist.keras.ps_model import (
     ps_model,
     ps_model_with_optimizer,
@@ -763,7 +763,7 @@ def _stateless_apply(optimizer: Any, ref: _OptimizerRef, optimizer_variables: An
                 f"{getattr(grads[i], 'shape', None)}, its variable {weights[i].keras_variable.path!r} "
                 f"{tuple(weights[i].keras_variable.shape)}")
     summed = [grads[i] for i in present]
-    replica = _mesh_replica()
+    replica = mesh_replica()
     if replica is not None and summed:
         summed = list(replica.all_reduce("sum", summed))
     if ref.clipping and summed:
