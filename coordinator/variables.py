@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.proto import ps_wire
+from jaxdist.proto import ps_wire, recycle
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
@@ -421,7 +421,7 @@ def _gather(tree: Any, td: np.dtype | None, fetch: Any) -> Any:
             continue
         # Shards are dim-0 row ranges: each is received straight into its rows
         # of one preallocated array, so no concatenation copy follows.
-        full = np.empty(leaf.shape, ps_wire.transfer_dtype(leaf.dtype, None, td))
+        full = recycle.take(leaf.shape, ps_wire.transfer_dtype(leaf.dtype, None, td))  # reused once dropped
         fulls.append(full)
         for shard, row in parts:
             flat.append(shard)

@@ -354,7 +354,7 @@ class PSClient(ServiceClient):
 
             def receive(body: bytes) -> list[np.ndarray]:
                 header = got["header"] = ps_pb2.PullHeader.FromString(body)
-                return codec.destination_arrays(*ps_wire.pull_payload_specs(header, out))
+                return codec.destination_arrays(*ps_wire.pull_payload_specs(header, out), recycle=True)
 
             res = self._data_plane_call(dataplane.PULL, req.SerializeToString(), (), timeout, receive)
             if res is not None:
@@ -367,7 +367,7 @@ class PSClient(ServiceClient):
                    ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
         """A gRPC Pull's (or PushPull's) answer: its header message, then raw frames into their arrays."""
         header = ps_pb2.PullHeader.FromString(next(stream))
-        reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out))
+        reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out), recycle=True)
         for frame in stream:
             reader.feed(frame)
         return header, reader.finish()
@@ -460,7 +460,7 @@ class PSClient(ServiceClient):
 
             def receive(body: bytes) -> list[np.ndarray]:
                 answer = got["header"] = ps_pb2.PullHeader.FromString(body)
-                return codec.destination_arrays(*ps_wire.pull_payload_specs(answer, out))
+                return codec.destination_arrays(*ps_wire.pull_payload_specs(answer, out), recycle=True)
 
             res = self._data_plane_call(dataplane.PUSH_PULL, header.SerializeToString(), arrays, timeout, receive)
             if res is not None:
