@@ -251,8 +251,7 @@ class DataPlaneClient:
         keep = False
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(REQUEST.pack(REQUEST_MAGIC, method, len(header), sum(a.nbytes for a in arrays)) + header)
-            chan.send(arrays, deadline)
+            chan.send(arrays, deadline, prefix=REQUEST.pack(REQUEST_MAGIC, method, len(header), sum(a.nbytes for a in arrays)) + header)
             chan.settle(deadline)
             try:
                 body, payload_len = self._read_response(sock, deadline)
