@@ -20,8 +20,14 @@ import numpy as np
 
 from jaxdist.partitioners import shard_offsets
 from jaxdist.proto import recycle
+from jaxdist.transport.dataplane import SHM_SLOT_BYTES
 from jaxdist.proto.ps_wire import PullSpec
 from jaxdist.variables import Variable, VariableOps, locate_rows, pull, pull_specs
+
+#: A lookup whose answer from each PS task is at most this many bytes sends every request before it
+#: reads any answer (:func:`jaxdist.variables.pull_specs`' ``pipelined``): a PS then writes its whole
+#: answer without waiting for this process (two shared-memory slots; the socket's buffer is as large).
+_PIPELINED_BYTES = 2 * SHM_SLOT_BYTES
 
 __all__ = ["ShardedVariable", "embedding_lookup"]
 
@@ -90,7 +96,12 @@ class ShardedVariable(VariableOps):
             by_ps[v.ps_index].append(PullSpec(v.name, indices=uniq[a:b] - self._offsets[s]))
             outs[v.ps_index].append(out[a:b])
         if by_ps:
-            results = pull_specs(self.variables[0].connections(), dict(by_ps), outs=dict(outs))
+            # Answers that fit a data-plane connection's buffers (both shared-memory slots) are read
+            # after every request went out, from this thread: no thread hand-off per PS task.
+            row_bytes = out.nbytes // max(1, len(uniq))
+            pipelined = max(sum(len(sp.indices) for sp in specs if sp.indices is not None) for specs in by_ps.values()
+                            ) * row_bytes <= _PIPELINED_BYTES
+            results = pull_specs(self.variables[0].connections(), dict(by_ps), outs=dict(outs), pipelined=pipelined)
             for ps, dests in outs.items():
                 for dest, (value, _ver) in zip(dests, results[ps]):
                     if value is not dest:  # received elsewhere (the transport could not write in place)
