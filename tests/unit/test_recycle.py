@@ -122,3 +122,20 @@ def test_threads_never_share_a_buffer() -> None:
     for t in threads:
         t.join()
     assert not errors and pool.reused > 0
+
+
+def test_a_jax_array_made_from_a_pooled_value_keeps_its_buffer() -> None:
+    """XLA's CPU client may adopt an aligned numpy buffer without copying it: the jax.Array then
+    holds the numpy array, so the pool sees the reference and does not reuse the buffer."""
+    import jax.numpy as jnp
+
+    pool = RecvPool(max_bytes=64 * MB)
+    a = pool.empty((MB // 4,), np.float32)
+    a[:] = 7.0
+    x = jnp.asarray(a)
+    del a
+    gc.collect()
+    for _ in range(2):  # had the pool reused an adopted buffer, writing it would change ``x``
+        other = pool.empty((MB // 4,), np.float32)
+        other[:] = -1.0
+    assert bool((x == 7.0).all())
