@@ -31,7 +31,7 @@ import jax
 import numpy as np
 
 from jaxdist.base.errors import ConfigurationError
-from jaxdist.proto import ps_wire
+from jaxdist.proto import ps_wire, recycle
 from jaxdist.proto.ps_wire import CreateSpec, Op, PullSpec, Update
 from jaxdist.ps_server.client import deadline_for
 from jaxdist.ps_server.connections import PSConnections
@@ -301,8 +301,13 @@ def pull_specs(
     by_ps: dict[int, list[PullSpec]],
     timeouts: dict[int, float] | None = None,
     outs: dict[int, list[np.ndarray | None]] | None = None,
+    pipelined: bool = False,
 ) -> dict[int, list[tuple[np.ndarray | None, int]]]:
     """Pull ``by_ps[ps]`` from each PS task, all in parallel; ``(value, version)`` per spec.
+
+    ``pipelined``: the answers are small (rows of a lookup: they fit the data plane's buffers),
+    so every request is sent from this thread before any answer is read, instead of one call per
+    thread (:meth:`~jaxdist.ps_server.client.PSClient.start_pull`).
 
     Inside a worker's closure each PS first holds the pull at its step barrier (synchronous or
     bounded-stale training; nothing waits otherwise), and the step this worker's next gradients
@@ -311,6 +316,8 @@ def pull_specs(
     """
     refuse_in_compiled_code("read", [spec.name for specs in by_ps.values() for spec in specs])
     contributor = current_contributor()
+    if pipelined and len(by_ps) > 1:
+        return _pull_pipelined(conns, by_ps, contributor, timeouts, outs)
     calls = {}
     for ps, specs in by_ps.items():
         kw: dict[str, Any] = {"timeout": None if timeouts is None else timeouts[ps], "out": None if outs is None else outs[ps]}
@@ -322,6 +329,36 @@ def pull_specs(
     if contributor < 0:
         return got
     note_sync_step(max(step for _, step in got.values()))
+    return {ps: res for ps, (res, _) in got.items()}
+
+
+def _pull_pipelined(
+    conns: PSConnections, by_ps: dict[int, list[PullSpec]], contributor: int, timeouts: dict[int, float] | None,
+    outs: dict[int, list[np.ndarray | None]] | None,
+) -> dict[int, list[tuple[np.ndarray | None, int]]]:
+    """:func:`pull_specs` with every request sent before any answer is read. A PS this process does not
+    reach over the data plane now is pulled the usual way; every started pull is read, and the first
+    error is raised after all of them were."""
+    finishers = {}
+    for ps, specs in by_ps.items():
+        kw: dict[str, Any] = {"timeout": None if timeouts is None else timeouts[ps], "out": None if outs is None else outs[ps]}
+        finishers[ps] = (conns.client(ps).start_pull(specs, contributor, **kw), specs, kw)
+    got: dict[int, tuple[list[tuple[np.ndarray | None, int]], int]] = {}
+    error: BaseException | None = None
+    for ps, (finish, specs, kw) in finishers.items():
+        try:
+            if finish is not None:
+                got[ps] = finish()
+            elif contributor >= 0:
+                got[ps] = conns.client(ps).pull_at_barrier(specs, contributor, **kw)
+            else:
+                got[ps] = (conns.client(ps).pull(specs, **kw), -1)
+        except BaseException as e:  # raised once every started pull was read (its connection released)
+            error = error or e
+    if error is not None:
+        raise error
+    if contributor >= 0:
+        note_sync_step(max(step for _, step in got.values()))
     return {ps: res for ps, (res, _) in got.items()}
 
 
@@ -421,7 +458,7 @@ def _gather(tree: Any, td: np.dtype | None, fetch: Any) -> Any:
             continue
         # Shards are dim-0 row ranges: each is received straight into its rows
         # of one preallocated array, so no concatenation copy follows.
-        full = np.empty(leaf.shape, ps_wire.transfer_dtype(leaf.dtype, None, td))
+        full = recycle.take(leaf.shape, ps_wire.transfer_dtype(leaf.dtype, None, td))  # reused once dropped
         fulls.append(full)
         for shard, row in parts:
             flat.append(shard)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxdist.base.errors import InvalidRequestError, PayloadTooLargeError
 from jaxdist.proto import common_pb2
+from jaxdist.proto.recycle import take as recycle_take
 
 #: Frames carry at most this many payload bytes. gRPC moves 1-4 MiB streamed
 #: chunks ~3x faster than one huge unary message on this kind of machine.
@@ -202,14 +203,17 @@ def empty_aligned(shape: Sequence[int] | int, dtype: object) -> np.ndarray:
 
 
 def destination_arrays(
-    specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None, aligned: bool = False
+    specs: Sequence[tuple[tuple[int, ...], np.dtype]], out: Sequence[np.ndarray | None] | None = None, aligned: bool = False,
+    recycle: bool = False,
 ) -> list[np.ndarray]:
     """One array per spec to receive into: ``out[i]`` when it is writable, C-contiguous and
     matches spec ``i`` (e.g. a shard's rows of a preallocated full variable), else a new one,
-    :func:`empty_aligned` with ``aligned`` (a PS's gradients go into a jitted optimizer step)."""
+    :func:`empty_aligned` with ``aligned`` (a PS's gradients go into a jitted optimizer step), or
+    with ``recycle`` one from :mod:`jaxdist.proto.recycle` (a buffer no one references any more:
+    values a client pulls, which callers usually drop by the next pull)."""
     outs = list(out) if out is not None else []
     outs += [None] * (len(specs) - len(outs))
-    new = empty_aligned if aligned else np.empty
+    new = empty_aligned if aligned else recycle_take if recycle else np.empty
     return [o if o is not None and _fits(o, shape, dtype) else new(shape, dtype) for (shape, dtype), o in zip(specs, outs)]
 
 
@@ -224,11 +228,12 @@ class FrameReader:
         specs: Sequence[tuple[tuple[int, ...], np.dtype]],
         out: Sequence[np.ndarray | None] | None = None,
         aligned: bool = False,
+        recycle: bool = False,
     ) -> None:
         """``out`` optionally gives, per spec, a writable C-contiguous array to fill in place
         (e.g. a shard's rows of a preallocated full variable); one that does not
         match its spec's shape and dtype is ignored and a new array is allocated."""
-        self.arrays = destination_arrays(specs, out, aligned)
+        self.arrays = destination_arrays(specs, out, aligned, recycle)
         self._views = [as_memoryview(byte_view(a)) if a.nbytes else None for a in self.arrays]
         self._idx = 0
         self._pos = 0

@@ -376,6 +376,49 @@ class PSClient(ServiceClient):
             logger.info("%s: a pull outlasted its %.1fs deadline while the PS answers health checks (a push it "
                         "waits for is slow); asking again with a %.1fs deadline", self.task, first, wait)
 
+    def start_pull(
+        self, specs: Sequence[PullSpec], contributor: int = -1, timeout: float | None = None,
+        out: Sequence[np.ndarray | None] | None = None,
+    ) -> Callable[[], tuple[list[tuple[np.ndarray | None, int]], int]] | None:
+        """Send a pull over the data plane and return at once a function that reads its answer: with
+        several PS tasks, every request is out before any answer is read, with no thread per task
+        (one wake-up per task instead of a thread hand-off each way). The function returns what
+        :meth:`pull_at_barrier` does (``contributor`` -1: what :meth:`pull` does, and step -1); it must be
+        called (it releases the connection). None: this client does not use the data plane now (call
+        :meth:`pull` / :meth:`pull_at_barrier`, which also find it again or fall back to gRPC).
+
+        An answer read this way should fit the connection's buffers (the shared-memory slots, the
+        socket's buffer: a few MB), as a PS's answer to a lookup does: a larger one waits for its
+        turn to be read, which is correct but no faster than pulls on threads.
+        """
+        dp = self._dp if self._dp is not None else (self._data_plane() if self._dp_host is not None else None)
+        if dp is None:
+            return None
+        barrier = _BARRIER_POLL_S if contributor >= 0 else 0.0
+        req = ps_wire.encode_pull(specs, contributor, barrier)
+        wait = (timeout or _BASE_DEADLINE_S * 6) + barrier
+        try:
+            started = dp.start(dataplane.PULL, req.SerializeToString(), (), wait)
+        except dataplane.DataPlaneError:
+            return None  # nothing to read: the caller's plain pull handles a lost or moved data plane
+        got: dict[str, ps_pb2.PullHeader] = {}
+
+        def receive(body: bytes) -> list[np.ndarray]:
+            header = got["header"] = ps_pb2.PullHeader.FromString(body)
+            return codec.destination_arrays(*ps_wire.pull_payload_specs(header, out), recycle=True)
+
+        def finish() -> tuple[list[tuple[np.ndarray | None, int]], int]:
+            try:
+                _, arrays = dp.finish(started, receive)
+            except dataplane.DataPlaneError as e:
+                raise self.status_error(e.code, e.details, e.reason) from None
+            header = got["header"]
+            if header.barrier_waiting:  # a synchronous step's barrier is closed: wait there as pull_at_barrier does
+                return self.pull_at_barrier(specs, contributor, timeout, out)
+            return ps_wire.pull_results(header, arrays), header.step if header.synchronous else -1
+
+        return finish
+
     def _pull_once(
         self, req: ps_pb2.PullRequest, timeout: float, out: Sequence[np.ndarray | None] | None
     ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
@@ -384,7 +427,7 @@ class PSClient(ServiceClient):
 
             def receive(body: bytes) -> list[np.ndarray]:
                 header = got["header"] = ps_pb2.PullHeader.FromString(body)
-                return codec.destination_arrays(*ps_wire.pull_payload_specs(header, out))
+                return codec.destination_arrays(*ps_wire.pull_payload_specs(header, out), recycle=True)
 
             res = self._data_plane_call(dataplane.PULL, req.SerializeToString(), (), timeout, receive)
             if res is not None:
@@ -397,7 +440,7 @@ class PSClient(ServiceClient):
                    ) -> tuple[ps_pb2.PullHeader, Sequence[np.ndarray]]:
         """A gRPC Pull's (or PushPull's) answer: its header message, then raw frames into their arrays."""
         header = ps_pb2.PullHeader.FromString(next(stream))
-        reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out))
+        reader = codec.FrameReader(*ps_wire.pull_payload_specs(header, out), recycle=True)
         for frame in stream:
             reader.feed(frame)
         return header, reader.finish()
@@ -495,7 +538,7 @@ class PSClient(ServiceClient):
 
             def receive(body: bytes) -> list[np.ndarray]:
                 answer = got["header"] = ps_pb2.PullHeader.FromString(body)
-                return codec.destination_arrays(*ps_wire.pull_payload_specs(answer, out))
+                return codec.destination_arrays(*ps_wire.pull_payload_specs(answer, out), recycle=True)
 
             res = self._data_plane_call(dataplane.PUSH_PULL, header.SerializeToString(), arrays, timeout, receive)
             if res is not None:

@@ -71,7 +71,12 @@ one-byte tokens that order the slots: the sender copies chunk ``i`` into slot
 ``i % 2`` and sends ``D``; the receiver copies it out and answers ``A``; the
 sender waits for chunk ``i - 2``'s ``A`` before reusing its slot, and reads
 any ``A`` still due before it reads its next message. Chunk sizes follow
-from the payload length in the (socket) envelope, so both ends agree.
+from the payload length in the (socket) envelope, so both ends agree. To spend
+one wake-up per message, a sender writes a payload's first chunk before the
+envelope that announces it and sends envelope and ``D`` together, and a
+receiver sends the ``A`` of a payload's last chunk in front of its own next
+message rather than on its own: the same bytes in the same order, so a peer
+that sends each token at once interoperates.
 
 Modules: :mod:`~jaxdist.transport.dataplane.framing` (the envelopes above,
 method numbers, socket I/O), :mod:`~jaxdist.transport.dataplane.shm` (regions

@@ -10,6 +10,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -36,7 +37,7 @@ from jaxdist.transport.dataplane.shm import NAMED, SEALED, SHM_SLOT_BYTES, Chann
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DataPlaneClient"]
+__all__ = ["DataPlaneClient", "StartedCall"]
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -245,14 +246,37 @@ class DataPlaneClient:
             DataPlaneError: the server's error status (connection kept), or
                 UNAVAILABLE / DEADLINE_EXCEEDED for a lost or slow connection.
         """
+        return self.finish(self.start(method, header, arrays, timeout), receive)
+
+    def start(self, method: int, header: bytes, arrays: Sequence[np.ndarray], timeout: float) -> StartedCall:
+        """The first half of :meth:`call`: send the request and return at once, so that calls to several
+        servers run at the same time without a thread each. Every started call must be finished
+        (:meth:`finish`), or its connection is held until it is garbage.
+
+        Raises:
+            DataPlaneError: as :meth:`call` (nothing to finish then).
+        """
         deadline = time.monotonic() + timeout
         chan = self._checkout(deadline)
+        try:
+            chan.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            chan.send(arrays, deadline, prefix=REQUEST.pack(REQUEST_MAGIC, method, len(header), sum(a.nbytes for a in arrays)) + header)
+        except (OSError, struct.error) as e:  # TimeoutError included
+            self._drop(chan)
+            raise self._lost(e, timeout) from None
+        except BaseException:
+            self._drop(chan)
+            raise
+        return StartedCall(chan, deadline, timeout)
+
+    def finish(self, started: StartedCall, receive: Callable[[bytes], Sequence[np.ndarray]] | None = None
+               ) -> tuple[bytes, Sequence[np.ndarray]]:
+        """The second half of :meth:`call`: read the answer of a :meth:`start` ed call."""
+        chan, deadline = started.chan, started.deadline
         sock = chan.sock
         keep = False
         try:
             sock.settimeout(max(0.001, deadline - time.monotonic()))
-            sock.sendall(REQUEST.pack(REQUEST_MAGIC, method, len(header), sum(a.nbytes for a in arrays)) + header)
-            chan.send(arrays, deadline)
             chan.settle(deadline)
             try:
                 body, payload_len = self._read_response(sock, deadline)
@@ -270,13 +294,26 @@ class DataPlaneClient:
                 chan.recv_into(out, deadline)
             keep = True
             return body, out
-        except TimeoutError:
-            raise DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED, f"data plane call to {self.host}:{self.port} timed out "
-                            f"after {timeout:.1f}s") from None
-        except (OSError, struct.error) as e:
-            raise DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"data plane connection to {self.host}:{self.port} lost: {e}") from None
+        except (OSError, struct.error) as e:  # TimeoutError included
+            raise self._lost(e, started.timeout) from None
         finally:
             if keep:
                 self._checkin(chan)
             else:
                 self._drop(chan)
+
+    def _lost(self, e: OSError | struct.error, timeout: float) -> DataPlaneError:
+        """The error a call raises when its connection timed out or was lost."""
+        if isinstance(e, TimeoutError):
+            return DataPlaneError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  f"data plane call to {self.host}:{self.port} timed out after {timeout:.1f}s")
+        return DataPlaneError(grpc.StatusCode.UNAVAILABLE, f"data plane connection to {self.host}:{self.port} lost: {e}")
+
+
+@dataclass
+class StartedCall:
+    """A call :meth:`DataPlaneClient.start` sent, to be read by :meth:`DataPlaneClient.finish`."""
+
+    chan: Channel
+    deadline: float
+    timeout: float

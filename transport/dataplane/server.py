@@ -387,19 +387,19 @@ class DataPlaneServer:
         if method == SHM_ATTACH and magic == REQUEST_MAGIC and header_len <= MAX_TOKEN_BYTES and not payload_len:
             conn.settimeout(HELLO_TIMEOUT_S)
             header = recv_exact(conn, header_len)
-            with guard("ShmAttach", lambda exc: conn.sendall(error_response(exc)), reraise=_connection_lost):
+            with guard("ShmAttach", lambda exc: chan.write(error_response(exc)), reraise=_connection_lost):
                 self._attach(chan, header)
-                conn.sendall(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
+                chan.write(response_envelope(grpc.StatusCode.OK, b"", b"", 0))
             return True
         if magic != REQUEST_MAGIC or handler is None or header_len > MAX_HEADER_BYTES:
             what = "bad request magic" if magic != REQUEST_MAGIC else (
                 "malformed ShmAttach request" if method == SHM_ATTACH else
                 f"unknown method {method}" if handler is None else f"header of {header_len} bytes is too large")
-            conn.sendall(error_response(E.InvalidRequestError(f"data plane: {what}")))
+            chan.write(error_response(E.InvalidRequestError(f"data plane: {what}")))
             return False
         if payload_len > self._max_payload:
             # Cannot be drained (nor could its deadline be computed): answer, then end the connection.
-            conn.sendall(error_response(E.PayloadTooLargeError(
+            chan.write(error_response(E.PayloadTooLargeError(
                 f"data plane: request announces {payload_len} payload bytes, more than this server's "
                 f"limit of {self._max_payload}")))
             return False
@@ -414,13 +414,12 @@ class DataPlaneServer:
             # Handler errors are raised before the response starts (the sending code below
             # raises only connection errors, which pass through), so an error envelope is
             # still well-framed once the unread payload is drained.
-            with guard(name, lambda exc: self._fail(conn, payload, exc), reraise=_connection_lost):
+            with guard(name, lambda exc: self._fail(chan, payload, exc), reraise=_connection_lost):
                 with handler(header, payload) as (body, arrays):
                     if payload.remaining:
                         raise E.InvalidRequestError(f"{name}: request carries {payload.remaining} payload bytes it does not use")
                     conn.settimeout(max(0.001, deadline - time.monotonic()))
-                    conn.sendall(response_envelope(grpc.StatusCode.OK, b"", body, sum(a.nbytes for a in arrays)))
-                    chan.send(arrays, deadline)
+                    chan.send(arrays, deadline, prefix=response_envelope(grpc.StatusCode.OK, b"", body, sum(a.nbytes for a in arrays)))
                     failed = False
         finally:
             if self._observe is not None:
@@ -428,9 +427,9 @@ class DataPlaneServer:
         return True
 
     @staticmethod
-    def _fail(conn: socket.socket, payload: Payload, exc: E.JaxdistError) -> None:
+    def _fail(chan: Channel, payload: Payload, exc: E.JaxdistError) -> None:
         payload.drain()
-        conn.sendall(error_response(exc))
+        chan.write(error_response(exc))  # after the acknowledgement owed for the payload read, if any
 
 
 class _Pending:
