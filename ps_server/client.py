@@ -361,20 +361,14 @@ class PSClient(ServiceClient):
         first = timeout or _BASE_DEADLINE_S * 6
         if timeout is not None:
             return self._pull_once(req, first + extra, out)
-        limit = time.monotonic() + push_work_timeout()
-        wait = first
-        while True:
-            try:
-                return self._pull_once(req, wait + extra, out)
-            except JaxdistError as e:
-                if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
-                    raise
-                self._check_alive(e)
-            wait = min(2 * wait, max(first, limit - time.monotonic()))
+
+        def asked_again(wait: float) -> None:
             with self._dp_lock:
                 self.pull_retries += 1
             logger.info("%s: a pull outlasted its %.1fs deadline while the PS answers health checks (a push it "
                         "waits for is slow); asking again with a %.1fs deadline", self.task, first, wait)
+
+        return self._following_work(first, lambda wait: self._pull_once(req, wait + extra, out), asked_again)
 
     def start_pull(
         self, specs: Sequence[PullSpec], contributor: int = -1, timeout: float | None = None,
@@ -467,23 +461,33 @@ class PSClient(ServiceClient):
     def _resending(self, update_id: str, first: float, send: Callable[[float], _R]) -> _R:
         """``send(deadline)``, sent again under the same ``update_id`` while its deadline passes and
         the PS answers health checks (see :data:`PUSH_WORK_TIMEOUT_ENV`)."""
-        limit = time.monotonic() + push_work_timeout()
-        wait = first
-        while True:
-            try:
-                return send(wait)
-            except JaxdistError as e:
-                if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
-                    raise
-                self._check_alive(e)
-            # Each resent copy holds a PS thread until the first copy is applied: the deadline doubles
-            # per resend, so a long step costs a few copies (log2 of work / deadline), not one per deadline.
-            wait = min(2 * wait, max(first, limit - time.monotonic()))
+
+        def resent(wait: float) -> None:
             with self._dp_lock:
                 self.push_resends += 1
             logger.info("%s: push %s outlasted its %.1fs deadline while the PS answers health checks (its update "
                         "step is slow); sending it again under the same id (which the PS applies once) with a "
                         "%.1fs deadline", self.task, update_id, first, wait)
+
+        return self._following_work(first, send, resent)
+
+    def _following_work(self, first: float, call: Callable[[float], _R], again: Callable[[float], None]) -> _R:
+        """``call(deadline)``, made again (``again(new deadline)`` first) while its deadline passes and
+        the PS answers health checks, up to :func:`push_work_timeout` in all; any other error, a PS that
+        does not answer, or the limit reached: raised."""
+        limit = time.monotonic() + push_work_timeout()
+        wait = first
+        while True:
+            try:
+                return call(wait)
+            except JaxdistError as e:
+                if getattr(e, "grpc_code", None) != grpc.StatusCode.DEADLINE_EXCEEDED or time.monotonic() >= limit:
+                    raise
+                self._check_alive(e)
+            # Each copy made again holds a PS thread until the first is done: the deadline doubles each
+            # time, so a long step costs a few copies (log2 of work / deadline), not one per deadline.
+            wait = min(2 * wait, max(first, limit - time.monotonic()))
+            again(wait)
 
     def _check_alive(self, cause: JaxdistError) -> None:
         """Raise ``cause`` (a push's deadline error) unless this PS answers a health check: a dead or
