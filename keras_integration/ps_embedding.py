@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,13 +88,24 @@ def sparse_embeddings(model: Any) -> list[SparseEmbedding]:
 
 def with_input_dims(model_json: str, dims: dict[str, int]) -> str:
     """``model_json`` with the ``input_dim`` of each Embedding named in ``dims`` replaced."""
+
+    def edit(class_name: Any, cfg: dict[str, Any]) -> None:
+        if class_name == "Embedding" and cfg.get("name") in dims:
+            cfg["input_dim"] = dims[cfg["name"]]
+
+    return _edit_layer_configs(model_json, edit)
+
+
+def _edit_layer_configs(model_json: str, edit: Callable[[Any, dict[str, Any]], None]) -> str:
+    """``model_json`` after ``edit(class_name, config)`` changed, in place, the config of every node of it that has
+    one (layers, nested models' layers)."""
     config = json.loads(model_json)
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             cfg = node.get("config")
-            if node.get("class_name") == "Embedding" and isinstance(cfg, dict) and cfg.get("name") in dims:
-                cfg["input_dim"] = dims[cfg["name"]]
+            if isinstance(cfg, dict):
+                edit(node.get("class_name"), cfg)
             for v in node.values():
                 walk(v)
         elif isinstance(node, list):
@@ -264,21 +276,11 @@ def renumber_dynamic_inputs(model: Any, batch: Any) -> Any:
 def with_compact_tables(model_json: str, rows: dict[str, int]) -> str:
     """``model_json`` with each DynamicEmbedding named in ``rows`` given a compact table of that many rows, and
     string inputs declared int32 (a worker's copy gets the keys renumbered: no string reaches the model)."""
-    config = json.loads(model_json)
 
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            cfg = node.get("config")
-            if isinstance(cfg, dict):
-                if node.get("class_name") == "DynamicEmbedding" and cfg.get("name") in rows:
-                    cfg["compact_rows"] = rows[cfg["name"]]
-                elif node.get("class_name") == "InputLayer" and cfg.get("dtype") == "string":
-                    cfg["dtype"] = "int32"
-            for v in node.values():
-                walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
+    def edit(class_name: Any, cfg: dict[str, Any]) -> None:
+        if class_name == "DynamicEmbedding" and cfg.get("name") in rows:
+            cfg["compact_rows"] = rows[cfg["name"]]
+        elif class_name == "InputLayer" and cfg.get("dtype") == "string":
+            cfg["dtype"] = "int32"
 
-    walk(config)
-    return json.dumps(config)
+    return _edit_layer_configs(model_json, edit)
