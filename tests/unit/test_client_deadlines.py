@@ -231,6 +231,7 @@ def test_a_pull_with_a_given_timeout_is_not_asked_again(ps_server: Any, ps_clien
     assert not t.is_alive()
 
 
+@pytest.mark.usefixtures("short_push_deadline")
 def test_a_dynamic_push_the_ps_works_on_past_its_deadline_completes_once(ps_server: Any, ps_client: Any) -> None:
     # A dynamic table's push can outlast its transfer deadline (a doubling copies the shard's
     # columns): resent under its id while the PS answers, applied once.
