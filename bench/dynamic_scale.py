@@ -42,6 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxdist  # noqa: E402
+from jaxdist.ps_server.dynamic_table import reduce_push  # noqa: E402
 
 DIM = 16
 HIDDEN = 32
@@ -165,8 +166,10 @@ def main() -> None:
             loss, g_rows, params = step_fn(jnp.asarray(rows), params, jnp.asarray(labels))
             # The PS client's push, with an identity: the coordinator's own pushes carry none, and
             # an identified push that outlasts its deadline (a shard's growth step) is resent.
-            resp = table.connections().client(0).dynamic_push("ids", ids, np.asarray(g_rows),
-                                                              update_id=f"dynamic-scale/{step}")
+            # Counted, as DynamicEmbedding.apply_gradients sends it: each distinct id once.
+            pushed = reduce_push(ids.astype(np.int64), np.asarray(g_rows))
+            resp = table.connections().client(0).dynamic_push("ids", pushed.keys, pushed.grads,
+                                                              update_id=f"dynamic-scale/{step}", counts=pushed.counts)
             counts = {"inserted": resp.inserted, "evicted": resp.evicted}
             dt = time.perf_counter() - t0
             times.append((rows_held, dt))

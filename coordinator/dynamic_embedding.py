@@ -23,15 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from jaxdist.base.errors import ConfigurationError
+from jaxdist.base.errors import ConfigurationError, DTypeMismatchError, InvalidRequestError
 from jaxdist.ps_server.connections import PSConnections
 from jaxdist.ps_server.dynamic_table import (
     AdmissionConfig,
     DynamicTableConfig,
     EvictionConfig,
+    ReducedPush,
     RowOptimizer,
+    first_occurrences,
     hash_keys,
+    reduce_push,
     shard_of,
+    sum_rows,
+    validate_counts,
     validate_keys,
 )
 from jaxdist.ps_server.dynamic_tables import STAT_NAMES, dynamic_push_digest
@@ -175,28 +180,27 @@ class DynamicEmbedding:
         return self._conns if self._conns is not None else current_ps()
 
     # ------------------------------------------------------------- routing
+    def _flat_keys(self, keys: Any) -> tuple[np.ndarray | list[str], tuple[int, ...]]:
+        """``(the keys flattened, checked against the table's key type, the keys' shape)``."""
+        if self.config.key_dtype == "int64":
+            arr = np.asarray(keys)
+            flat = validate_keys(arr.reshape(-1), "int64")
+            return flat, arr.shape
+        if isinstance(keys, str):
+            raise ConfigurationError("string keys come as a list (or array) of str, not one str")
+        arr = np.asarray(keys, dtype=object)
+        return validate_keys(arr.reshape(-1).tolist(), "string"), arr.shape
+
     def _route(self, keys: Any) -> tuple[np.ndarray | list[str], tuple[int, ...], np.ndarray, np.ndarray]:
         """``(flat keys, keys' shape, distinct-key index of each key, shard of each distinct key)``
         with the distinct keys in first-occurrence order (checked against the table's key type)."""
-        if self.config.key_dtype == "int64":
-            arr = np.asarray(keys)
-            shape = arr.shape
-            flat = validate_keys(arr.reshape(-1), "int64")
-            assert isinstance(flat, np.ndarray)
-            uniq, first, inverse = np.unique(flat, return_index=True, return_inverse=True)
-            order = np.argsort(first, kind="stable")
-            rank = np.empty_like(order)
-            rank[order] = np.arange(len(order))
-            distinct: np.ndarray | list[str] = uniq[order]
-            inv = rank[inverse.reshape(-1)]
+        flat, shape = self._flat_keys(keys)
+        if isinstance(flat, np.ndarray):
+            distinct: np.ndarray | list[str]
+            distinct, _, inv = first_occurrences(flat)
         else:
-            if isinstance(keys, str):
-                raise ConfigurationError("string keys come as a list (or array) of str, not one str")
-            arr = np.asarray(keys, dtype=object)
-            shape = arr.shape
-            flat_s = validate_keys(arr.reshape(-1).tolist(), "string")
             at: dict[str, int] = {}
-            inv = np.fromiter((at.setdefault(k, len(at)) for k in flat_s), dtype=np.int64, count=len(flat_s))
+            inv = np.fromiter((at.setdefault(k, len(at)) for k in flat), dtype=np.int64, count=len(flat))
             distinct = list(at)
         shards = shard_of(hash_keys(distinct), self.num_shards)
         return distinct, shape, inv, shards
@@ -227,38 +231,82 @@ class DynamicEmbedding:
         return rows[inv].reshape(shape + cfg.row_shape)
 
     # ----------------------------------------------------------- writing
-    def apply_gradients(self, keys: Any, grads: Any) -> dict[str, int]:
+    def apply_gradients(self, keys: Any, grads: Any, counts: Any = None) -> dict[str, int]:
         """Push gradient rows of ``keys`` (``grads`` shaped ``keys.shape + row_shape``); each shard
         applies its rows with the table's per-row rule, at most once (the push's identity).
 
-        Duplicate keys are summed by the shard (each occurrence counts for admission). Returns the push's counts over every shard:
-        ``applied``, ``refused`` (gradient rows dropped by admission), ``inserted``, ``evicted``
-        (all zero for a push a PS had already applied: a re-run closure's).
+        Duplicate keys are summed here, before sending (in occurrence order from +0.0, in float32,
+        exactly as a shard sums them), and each distinct key travels once to its shard with its
+        summed row and its occurrence count (a *counted* push): each occurrence counts for admission
+        and LFU frequency as if every row had travelled. ``counts`` (shaped like ``keys``): the push
+        is counted already: ``keys`` distinct, ``grads`` their summed rows, ``counts`` their
+        occurrences (each >= 1), as a caller that deduplicated the batch itself has them (the Keras
+        layer). Everything is checked before any shard is sent anything.
+
+        Returns the push's counts over every shard: ``applied`` (rows), ``refused`` (gradient rows,
+        i.e. occurrences, dropped by admission), ``inserted``, ``evicted`` (all zero for a push a PS
+        had already applied: a re-run closure's).
+
+        Raises:
+            ConfigurationError: ``grads`` or ``counts`` not shaped like ``keys``.
+            InvalidRequestError: (with ``counts``) a count below 1, too many in all, or a key given
+                twice; a gradient row or sum that is not finite.
+            DTypeMismatchError: keys of the wrong type, gradient rows not floating point.
         """
         refuse_in_compiled_code("updated", [self.name])
-        distinct, shape, inv, shards = self._route(keys)
+        flat_keys, shape = self._flat_keys(keys)
         cfg = self.config
         g = np.asarray(grads)
         if g.shape != shape + cfg.row_shape:
             raise ConfigurationError(
                 f"gradient rows of shape {g.shape} for keys of shape {shape} and rows {cfg.row_shape} of {self.name!r}")
         flat = g.reshape((-1, *cfg.row_shape))
-        if flat.dtype.kind == "f" and flat.dtype.itemsize > 4:
-            flat = flat.astype(np.float32)  # the shard computes in float32: wider travels for nothing
-        key_shard = shards[inv]
-        # Every occurrence travels (the shard sums duplicates, and counts occurrences for admission).
+        if counts is None:
+            pushed = reduce_push(flat_keys, flat)
+        else:
+            pushed = self._counted(flat_keys, flat, counts, shape)
+        if not np.isfinite(pushed.grads).all():
+            raise InvalidRequestError(f"gradient rows for {self.name!r} contain NaN or infinity, or sum past float32's range")
+        shards = shard_of(pushed.hashes, self.num_shards)
         conns = self.connections()
         update_id = next_update_id(own_connections=self._conns is not None, signature=dynamic_push_digest(self.name))
         calls = {}
         for s in np.unique(shards):
-            at = np.flatnonzero(key_shard == s)
-            calls[int(s)] = methodcaller("dynamic_push", self.name, self._pick(distinct, inv[at]),
-                                         np.ascontiguousarray(flat[at]), update_id)
+            at = np.flatnonzero(shards == s)
+            calls[int(s)] = methodcaller("dynamic_push", self.name, self._pick(pushed.keys, at),
+                                         pushed.grads[at], update_id, counts=pushed.counts[at])
         out = {"applied": 0, "refused": 0, "inserted": 0, "evicted": 0}
         for resp in conns.fan_out(calls).values():
             for k in out:
                 out[k] += int(getattr(resp, k))
         return out
+
+    @staticmethod
+    def _counted(keys: np.ndarray | list[str], grads: np.ndarray, counts: Any, shape: tuple[int, ...]) -> ReducedPush:
+        """A push given counted (each key once, its summed row, its count), checked, as a :class:`ReducedPush`.
+        Two string keys of one 64-bit hash (one row to a shard) are merged as a shard would merge them."""
+        c = np.asarray(counts)
+        if c.shape != shape:
+            raise ConfigurationError(f"push counts of shape {c.shape} for keys of shape {shape}: one count per key")
+        occ = validate_counts(c.reshape(-1), len(keys))
+        if grads.dtype.kind != "f":
+            raise DTypeMismatchError(f"gradient rows must be floating point, got {grads.dtype}")
+        hashes = hash_keys(keys)
+        if isinstance(keys, np.ndarray):
+            ordered = np.sort(keys)
+            if (ordered[1:] == ordered[:-1]).any():
+                raise InvalidRequestError("a key is given twice in a push with counts (each key once, its rows summed)")
+            return ReducedPush(keys, grads.astype(np.float32, copy=False), occ, hashes)
+        if len(set(keys)) != len(keys):
+            raise InvalidRequestError("a key is given twice in a push with counts (each key once, its rows summed)")
+        ident = hashes.view(np.int64)
+        if np.unique(ident).shape[0] == ident.shape[0]:
+            return ReducedPush(keys, grads.astype(np.float32, copy=False), occ, hashes)
+        _, first, inv = first_occurrences(ident)
+        merged = np.zeros(first.shape[0], dtype=np.int64)
+        np.add.at(merged, inv, occ)
+        return ReducedPush([keys[int(j)] for j in first], sum_rows(grads, inv, int(first.shape[0])), merged,
+                           hashes[first])
 
     # ------------------------------------------------------------- status
     def stats(self) -> dict[str, int]:

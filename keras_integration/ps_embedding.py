@@ -170,23 +170,29 @@ class DynamicKeys:
 
     ``keys``: every occurrence, flattened (int64 array, or list of str); ``distinct``: the distinct keys
     (rows ``0..n-1`` of the compact table); ``first``: where each distinct key first occurs in ``keys``;
-    ``size``: the padded size of the compact table.
+    ``size``: the padded size of the compact table; ``counts``: each distinct key's occurrences in ``keys``.
     """
 
     keys: np.ndarray | list[str]
     distinct: np.ndarray | list[str]
     first: np.ndarray
     size: int
+    counts: np.ndarray
 
-    def occurrence_grads(self, grads: np.ndarray) -> np.ndarray:
-        """The compact table's gradient (distinct rows first) as one gradient row per key occurrence: each
-        distinct key's row at its first occurrence, zeros at the others. Pushed with every occurrence, as a
-        custom loop pushes them, so the PS counts each occurrence (admission, LFU frequency) and its sum of
-        the key's rows is the compact gradient."""
+    def counted_grads(self, grads: np.ndarray) -> tuple[np.ndarray | list[str], np.ndarray, np.ndarray]:
+        """The compact table's gradient (distinct rows first) as a counted push: ``(the distinct keys in
+        first-occurrence order, their gradient rows (float32), their occurrences)``.
+
+        The same push, bit for bit, as one row per key occurrence (each distinct key's row at its first
+        occurrence, zeros at the others: the PS's sum of those in occurrence order from +0.0 is the row itself),
+        with each key sent once: the PS still counts every occurrence (admission, LFU frequency), in the order
+        the keys first occur (recency, keys pending admission)."""
         n = len(self.distinct)
-        out = np.zeros((len(self.keys),) + grads.shape[1:], dtype=np.float32)
-        out[self.first] = grads[:n]
-        return out
+        order = np.argsort(self.first, kind="stable")
+        rows = np.asarray(grads[:n], dtype=np.float32)[order]
+        if isinstance(self.distinct, np.ndarray):
+            return self.distinct[order], rows, self.counts[order]
+        return [self.distinct[int(i)] for i in order], rows, self.counts[order]
 
 
 def _model_inputs(x: Any, num_inputs: int) -> list[Any] | None:
@@ -219,7 +225,8 @@ def _compact_keys(raw: Any, key_dtype: str) -> tuple[np.ndarray, DynamicKeys]:
                 firsts.append(i)
             inv[i] = j
         keys, uniq, first, inverse = flat_s, list(at), np.asarray(firsts, dtype=np.int64), inv
-    return inverse.reshape(arr.shape).astype(np.int32), DynamicKeys(keys, uniq, first, bucket(len(uniq)))
+    counts = np.bincount(inverse.reshape(-1), minlength=len(uniq)).astype(np.int64)
+    return inverse.reshape(arr.shape).astype(np.int32), DynamicKeys(keys, uniq, first, bucket(len(uniq)), counts)
 
 
 def compact_batch(x: Any, sparse: list[SparseEmbedding], dynamic: list[DynamicSlot],

@@ -20,7 +20,7 @@ every step:
   on the PS step counter. Inside a closure the push carries the closure's
   identity, so a closure re-run after a worker failure never applies a step
   twice, and the step counter counts each step exactly once. Before it, each
-  dynamic table gets its gradient rows (one DynamicPush per PS task holding
+  dynamic table gets its gradient rows (one counted DynamicPush per PS task holding
   keys), with the closure's identity too.
 
 A closure returns the Keras metric variables it accumulated over its steps
@@ -276,10 +276,11 @@ class _Step:
                 [np.asarray(grads[i]) for i in self.model.dynamic_index])
 
     def push_dynamic(self, grads: list[np.ndarray]) -> None:
-        """Push each dynamic table's gradient rows, one row per key occurrence (exactly once: the closure's
-        identity, counted per table)."""
+        """Push each dynamic table's gradient rows, each distinct key once with its occurrence count (exactly
+        once: the closure's identity, counted per table)."""
         for d, k, g in zip(self.spec.dynamic, self.keys, grads):
-            d.table.apply_gradients(k.keys, k.occurrence_grads(g))
+            keys, rows, counts = k.counted_grads(g)
+            d.table.apply_gradients(keys, rows, counts=counts)
 
     def updates(self, grads: list[Any], non_trainable: list[Any]) -> list[Any]:
         """The step's pushes: gradients (row-sparse for the sparse tables), non-trainable values, step counter +1."""

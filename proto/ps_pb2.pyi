@@ -553,16 +553,18 @@ class DynamicLookupResponse(_message.Message):
     def __init__(self, rows: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admitted: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ...) -> None: ...
 
 class DynamicPushRequest(_message.Message):
-    __slots__ = ("table", "keys", "grads", "update_id")
+    __slots__ = ("table", "keys", "grads", "update_id", "counts")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     GRADS_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: DynamicKeys
     grads: _common_pb2.Tensor
     update_id: str
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[str] = ...) -> None: ...
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[_Union[DynamicKeys, _Mapping]] = ..., grads: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., update_id: _Optional[str] = ..., counts: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DynamicPushResponse(_message.Message):
     __slots__ = ("duplicate", "applied", "refused", "inserted", "evicted")

@@ -45,7 +45,7 @@ import numpy as np
 
 from jaxdist.base.errors import BackupNotAttachedError, InvalidRequestError, JaxdistError, NotPrimaryError, StaleEpochError
 from jaxdist.proto import codec, ps_pb2, ps_wire
-from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_keys
+from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_counts, decode_keys
 from jaxdist.ps_server.optimizer import Optimizer
 from jaxdist.ps_server.store import Update, VariableStore
 
@@ -255,7 +255,8 @@ class Replication:
             elif header.HasField("dynamic_push"):
                 p = header.dynamic_push
                 dynamic.push(p.table, decode_keys(p.keys, self.store.max_variable_bytes),
-                             codec.tensor_from_proto(p.grads, self.store.max_variable_bytes), p.update_id)
+                             codec.tensor_from_proto(p.grads, self.store.max_variable_bytes), p.update_id,
+                             occurrences=decode_counts(p))
             else:
                 dynamic.accept_installs(header.dynamic_installs, replace_all=False, payload=payload)
         finally:

@@ -29,11 +29,17 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from jaxdist.base.errors import ConfigurationError, JaxdistError, ServerBusyError, StepBarrierTimeoutError
+from jaxdist.base.errors import (
+    ConfigurationError,
+    InvalidRequestError,
+    JaxdistError,
+    ServerBusyError,
+    StepBarrierTimeoutError,
+)
 from jaxdist.proto import codec, common_pb2, ps_pb2, ps_wire
 from jaxdist.proto.ps_wire import CreateSpec, PullSpec, Update
 from jaxdist.ps_server.dynamic_table import DynamicTableConfig
-from jaxdist.ps_server.dynamic_tables import encode_keys
+from jaxdist.ps_server.dynamic_tables import encode_counts, encode_keys
 from jaxdist.transport import dataplane
 from jaxdist.transport.client import ServiceClient
 from jaxdist.transport.credentials import PLAINTEXT, Credentials
@@ -593,11 +599,20 @@ class PSClient(ServiceClient):
         return codec.tensor_from_proto(resp.rows), codec.tensor_from_proto(resp.admitted)
 
     def dynamic_push(self, table: str, keys: np.ndarray | Sequence[str], grads: np.ndarray, update_id: str = "",
-                     timeout: float | None = None) -> ps_pb2.DynamicPushResponse:
-        """Push gradient rows of ``keys`` (applied at most once per ``update_id``); the PS's counts."""
+                     timeout: float | None = None, counts: np.ndarray | None = None) -> ps_pb2.DynamicPushResponse:
+        """Push gradient rows of ``keys`` (applied at most once per ``update_id``); the PS's counts.
+
+        ``counts`` None: one gradient row per key occurrence (duplicates summed by the PS). Else a
+        *counted* push: each key once, with its rows summed and its occurrences in ``counts`` (what
+        :func:`~jaxdist.ps_server.dynamic_table.reduce_push` makes of the former; same effect, fewer
+        bytes). Sent as given: the PS validates it."""
         req = ps_pb2.DynamicPushRequest(table=table, update_id=update_id)
         encode_keys(keys, req.keys)
         codec.tensor_to_proto(grads, req.grads)
+        if counts is not None:
+            if len(counts) != len(keys):  # no counts on the wire reads as an uncounted push
+                raise InvalidRequestError(f"{len(counts)} push counts for {len(keys)} keys: one count per key")
+            encode_counts(counts, req)
         first = timeout or deadline_for(np.asarray(grads).nbytes)
         if timeout is not None or not update_id:
             return self._call(self._dyn_push, req, first)

@@ -13,7 +13,9 @@ Contract (what a caller may rely on):
   default vector. So a re-run closure, a second worker and a backup read identical values, and a
   lookup needs no replication.
 - **Every change is a push.** :meth:`DynamicTableShard.apply` takes ``(keys, gradient rows)``:
-  duplicate keys in one push are summed first; a key's row is inserted (from its initializer row)
+  duplicate keys in one push are summed first (or a client sends the push *counted*: each distinct
+  key once with its summed rows and its occurrence count, :func:`reduce_push`; the same effect, bit
+  for bit, with less to send, hash and sort); a key's row is inserted (from its initializer row)
   at its first applied push after admission; the optimizer rule is applied to the pushed rows only
   (per-row state: SGD, Adagrad, lazy Adam); admission counters, recency and frequency, the table's
   step and eviction all advance here. Pushes are applied at most once by the caller's push identity
@@ -60,8 +62,9 @@ from jaxdist.base.errors import (
 )
 
 __all__ = [
-    "AdmissionConfig", "DynamicTableConfig", "DynamicTableShard", "EvictionConfig", "RowOptimizer",
-    "hash_keys", "initial_rows", "shard_of",
+    "MAX_PUSH_OCCURRENCES", "AdmissionConfig", "DynamicTableConfig", "DynamicTableShard", "EvictionConfig",
+    "ReducedPush", "RowOptimizer", "first_occurrences", "hash_keys", "initial_rows", "reduce_push", "shard_of",
+    "sum_rows", "validate_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -136,6 +139,106 @@ def hash_keys(keys: np.ndarray | Sequence[str]) -> np.ndarray:
 def shard_of(hashes: np.ndarray, num_shards: int) -> np.ndarray:
     """Which of ``num_shards`` PS shards holds each key (by its :func:`hash_keys` hash)."""
     return (_splitmix64(hashes ^ _ROUTE_SALT) % np.uint64(num_shards)).astype(np.int64)
+
+
+#: The most occurrences one counted push may stand for (the sum of its counts): an uncounted push of
+#: that many occurrences would carry at least 2^32 keys and gradient rows (tens of GB). Bounds what a
+#: hostile count can add to a row's frequency or a pending key's count (int64) per push.
+MAX_PUSH_OCCURRENCES = 1 << 32
+
+
+def first_occurrences(ident: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(distinct values in first-occurrence order, where each first occurs, the distinct index of
+    each element)`` of a 1-D array: how a push's keys are deduplicated (by their identity)."""
+    uniq, first, inverse = np.unique(ident, return_index=True, return_inverse=True)
+    by_first = np.argsort(first, kind="stable")
+    rank = np.empty_like(by_first)
+    rank[by_first] = np.arange(by_first.shape[0])
+    return uniq[by_first], first[by_first], rank[inverse.reshape(-1)]
+
+
+def sum_rows(grads: np.ndarray, inv: np.ndarray, m: int) -> np.ndarray:
+    """The float32 sum of the rows of ``grads`` per distinct key (``inv``: each row's distinct index,
+    ``m`` distinct keys), each sum taken in row order starting from +0.0: the one summation of a
+    push's duplicate keys, so a shard summing an uncounted push and a client reducing a push before
+    sending it (:func:`reduce_push`) give bit-identical rows."""
+    g32 = grads.astype(np.float32, copy=False)
+    if m == int(g32.shape[0]):  # no duplicates: a permutation, as the sum below would give it
+        gsum = np.empty(g32.shape, dtype=np.float32)
+        gsum[inv] = g32
+        gsum += np.float32(0.0)  # a sum started from +0.0: -0.0 becomes +0.0
+    else:  # in push order, from +0.0 (so bit-identical everywhere)
+        gsum = np.zeros((m, *g32.shape[1:]), dtype=np.float32)
+        np.add.at(gsum, inv, g32)
+    return gsum
+
+
+def validate_counts(counts: Any, n: int) -> np.ndarray:
+    """Checks a counted push's occurrence counts (one per key, each >= 1, summing to at most
+    :data:`MAX_PUSH_OCCURRENCES`); returns them as int64.
+
+    Raises:
+        InvalidRequestError: counts not integers, not one per key, a count below 1, or too many in all.
+    """
+    c = np.asarray(counts)
+    if c.dtype.kind not in "iu":
+        raise InvalidRequestError(f"push counts must be integers, got dtype {c.dtype}")
+    if c.shape != (n,):
+        raise InvalidRequestError(f"{c.size} push counts for {n} keys: one count per key")
+    if n and int(c.min()) < 1:
+        raise InvalidRequestError("a push count is below 1 (each key of a counted push occurred at least once)")
+    # In float64: exact for every total up to 2^53, and never wrapping (an int64 sum would).
+    if n and float(c.sum(dtype=np.float64)) > MAX_PUSH_OCCURRENCES:
+        raise InvalidRequestError(f"push counts sum to more than {MAX_PUSH_OCCURRENCES} occurrences")
+    return c.astype(np.int64, copy=False)
+
+
+@dataclass(frozen=True)
+class ReducedPush:
+    """A push with each distinct key once (:func:`reduce_push`)."""
+
+    #: The distinct keys in first-occurrence order (int64 array, or list of str).
+    keys: np.ndarray | list[str]
+    #: ``[m, *row_shape]`` float32: each key's gradient rows summed (:func:`sum_rows`).
+    grads: np.ndarray
+    #: ``[m]`` int64: each key's occurrences.
+    counts: np.ndarray
+    #: ``[m]`` uint64: :func:`hash_keys` of :attr:`keys` (routing).
+    hashes: np.ndarray
+
+
+def reduce_push(keys: np.ndarray | list[str], grads: np.ndarray) -> ReducedPush:
+    """The counted form of a push of one gradient row per key occurrence: each distinct key once,
+    with its rows summed and its occurrences counted, exactly as a shard reduces an uncounted push.
+
+    ``keys``: validated flat keys (:func:`validate_keys`); ``grads``: ``[n, *row_shape]``, floating
+    point. Keys are distinct by a shard's identity: the int64 key, or a string's 64-bit hash (two
+    strings of one hash, which a shard keeps as one row, are merged, the first one's string kept).
+
+    Raises:
+        DTypeMismatchError: gradient rows not floating point.
+        ShapeMismatchError: not one gradient row per key.
+    """
+    g = np.asarray(grads)
+    if g.dtype.kind != "f":
+        raise DTypeMismatchError(f"gradient rows must be floating point, got {g.dtype}")
+    if g.ndim < 1 or g.shape[0] != len(keys):
+        raise ShapeMismatchError(f"gradient rows of shape {g.shape} for {len(keys)} keys")
+    distinct: np.ndarray | list[str]
+    if isinstance(keys, np.ndarray):
+        distinct, _, inv = first_occurrences(keys)
+        hashes = hash_keys(distinct)
+    else:
+        at: dict[str, int] = {}
+        inv = np.fromiter((at.setdefault(k, len(at)) for k in keys), dtype=np.int64, count=len(keys))
+        distinct = list(at)
+        hashes = hash_keys(distinct)
+        ident = hashes.view(np.int64)
+        if np.unique(ident).shape[0] != ident.shape[0]:  # two strings of one hash: one key to a shard
+            _, first, merged = first_occurrences(ident)
+            distinct, hashes, inv = [distinct[int(j)] for j in first], hashes[first], merged[inv]
+    m = len(distinct)
+    return ReducedPush(distinct, sum_rows(g, inv, m), np.bincount(inv, minlength=m).astype(np.int64), hashes)
 
 
 def _uniform(bits: np.ndarray) -> np.ndarray:
@@ -716,11 +819,24 @@ class DynamicTableShard:
         return out, have | fresh
 
     # ----------------------------------------------------------------- writing
-    def apply(self, keys: Any, grads: Any) -> dict[str, int]:
+    def apply(self, keys: Any, grads: Any, counts: Any = None) -> dict[str, int]:
         """Applies one push of gradient rows (exactly once: the caller dedupes by push identity).
 
+        Two forms, with the same effect: *uncounted* (``counts`` None): one gradient row per key
+        occurrence, duplicates allowed (summed here, in push order from +0.0, in float32; keys in
+        first-occurrence order); *counted*: each key once (no two keys of one identity), with its
+        rows already summed that way (:func:`reduce_push`) and ``counts``, its occurrences. A counted
+        push of :func:`reduce_push`'s output changes the shard bit-identically to the uncounted push
+        it reduced (rows, state, admission counts, LFU frequencies, recency, counters, answer).
+
         Validates everything before changing anything. Returns this push's counts:
-        ``applied`` rows, ``refused`` gradient rows dropped by admission, ``inserted``, ``evicted``.
+        ``applied`` rows (distinct keys), ``refused`` gradient rows dropped by admission (occurrences),
+        ``inserted``, ``evicted``.
+
+        Raises:
+            InvalidRequestError: (counted) counts malformed (:func:`validate_counts`) or a key repeated;
+                non-finite gradient rows; keys of another shard.
+            DTypeMismatchError, ShapeMismatchError: keys or rows of the wrong type or shape.
         """
         cfg = self.config
         ks = validate_keys(keys, cfg.key_dtype)
@@ -732,33 +848,29 @@ class DynamicTableShard:
             raise ShapeMismatchError(
                 f"gradient rows of shape {g.shape} for {n} keys of rows {cfg.row_shape}"
             )
+        occ = None if counts is None else validate_counts(counts, n)
         if not np.isfinite(g).all():
             raise InvalidRequestError("gradient rows contain NaN or infinity")
         hashes = hash_keys(ks)
         self._check_routing(hashes)
         ident = self._identities(ks, hashes)
-        # Sum duplicates: one update per distinct key, in first-occurrence order (deterministic).
-        uniq, first, inverse = np.unique(ident, return_index=True, return_inverse=True)
-        by_first = np.argsort(first, kind="stable")
-        rank = np.empty_like(by_first)
-        rank[by_first] = np.arange(by_first.shape[0])
-        uid, ufirst = uniq[by_first], first[by_first]
-        inv = rank[inverse.reshape(-1)]
-        m = int(uid.shape[0])
-        occ = np.bincount(inv, minlength=m).astype(np.int64)
-        if n:
-            g32 = g.astype(np.float32, copy=False)
-            if m == n:  # no duplicates: a permutation, as the sum below would give it
-                gsum = np.empty((m, *cfg.row_shape), dtype=np.float32)
-                gsum[inv] = g32
-                gsum += np.float32(0.0)  # a sum started from +0.0: -0.0 becomes +0.0
-            else:  # in push order, from +0.0 (so bit-identical everywhere)
-                gsum = np.zeros((m, *cfg.row_shape), dtype=np.float32)
-                np.add.at(gsum, inv, g32)
+        if occ is None:
+            # Sum duplicates: one update per distinct key, in first-occurrence order (deterministic).
+            uid, ufirst, inv = first_occurrences(ident)
+            m = int(uid.shape[0])
+            occ = np.bincount(inv, minlength=m).astype(np.int64)
+            gsum = sum_rows(g, inv, m)
+            uhash = hashes[ufirst]
+            ustr = np.asarray(ks, dtype=object)[ufirst] if self._strings else None
         else:
-            gsum = np.zeros((0, *cfg.row_shape), dtype=np.float32)
-        uhash = hashes[ufirst]
-        ustr = np.asarray(ks, dtype=object)[ufirst] if self._strings else None
+            # Counted: the keys are the distinct keys already, in first-occurrence order.
+            if n > 1:
+                ordered = np.sort(ident)
+                if (ordered[1:] == ordered[:-1]).any():
+                    raise InvalidRequestError("a key is repeated in a push with counts (each key once, its rows summed)")
+            uid, uhash = ident, hashes
+            gsum = g.astype(np.float32) + np.float32(0.0)  # a sum starts from +0.0: no -0.0 (as sum_rows)
+            ustr = np.asarray(ks, dtype=object).reshape(-1) if self._strings else None
         by_p = self._admitted_by_probability(uhash)
         with self._lock:
             return self._apply_locked(uid, ustr, uhash, by_p, occ, gsum)

@@ -10,7 +10,10 @@ Contract:
   as it is (a coordinator re-running its setup, or a second worker, never resets a table); another
   config or placement is refused with :class:`VariableExistsError` (``ALREADY_EXISTS``).
 - **Lookups** are pure reads (see :mod:`~jaxdist.ps_server.dynamic_table`).
-- **Pushes** are applied at most once per update id, through the store's dedupe table
+- **Pushes** come uncounted (one gradient row per key occurrence) or counted (each distinct key
+  once, its rows summed, with its occurrence count: what this package's clients send), with the
+  same effect (:meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.apply`), and are forwarded
+  to a backup in the form they came in. They are applied at most once per update id, through the store's dedupe table
   (:meth:`~jaxdist.ps_server.store.VariableStore.apply_once`): a re-run closure's or a retried push is
   a duplicate, exactly like a variable push (the servicer puts it behind the same run fence).
 - **Exports for serving.** Every shard takes part in the export cuts of the store's
@@ -61,7 +64,8 @@ if TYPE_CHECKING:
     # A type only: the PS client imports this module (encode_keys), and a worker has no store (nor its optax).
     from jaxdist.ps_server.store import VariableStore
 
-__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_keys", "dynamic_push_digest", "encode_keys", "install_message", "pack_export", "unpack_export"]
+__all__ = ["STAT_NAMES", "DynamicTables", "config_from_json", "decode_counts", "decode_keys", "dynamic_push_digest",
+           "encode_counts", "encode_keys", "install_message", "pack_export", "unpack_export"]
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +106,20 @@ def decode_keys(msg: ps_pb2.DynamicKeys, max_bytes: int) -> np.ndarray | list[st
     if not msg.HasField("ids"):
         raise InvalidRequestError("dynamic keys carry no ids")
     return codec.tensor_from_proto(msg.ids, max_bytes)
+
+
+def encode_counts(counts: np.ndarray, out: ps_pb2.DynamicPushRequest) -> None:
+    """A counted push's occurrence counts into its request (``counts`` field, one per key)."""
+    out.counts.extend(np.asarray(counts, dtype=np.int64).tolist())
+
+
+def decode_counts(msg: ps_pb2.DynamicPushRequest) -> np.ndarray | None:
+    """A push's occurrence counts (int64), or None for a push of one row per key occurrence (no counts:
+    what every client sent before counted pushes; proto3 cannot tell an empty list from none, and a
+    push of no keys is the same either way)."""
+    if not msg.counts:
+        return None
+    return np.array(msg.counts, dtype=np.int64)
 
 
 #: Allocations from this size up get pages of their own (glibc), given back to the system when freed.
@@ -193,17 +211,21 @@ class DynamicTables:
 
     def push(
         self, name: str, keys: Any, grads: np.ndarray, update_id: str, wire: ps_pb2.DynamicPushRequest | None = None,
+        occurrences: np.ndarray | None = None,
     ) -> tuple[dict[str, int] | None, bool]:
         """Apply one push of gradient rows at most once per ``update_id``: ``(counts, duplicate)``.
 
-        An applied push is forwarded to the backup (``wire``: the request as received, else encoded
-        here) while the table's apply lock is held. Its id is recorded even when forwarding refused
-        it (this task was deposed meanwhile): the rows here changed, so a retry must find it applied.
+        ``occurrences``: a counted push's count per key (None: one row per occurrence); see
+        :meth:`DynamicTableShard.apply`. An applied push is forwarded to the backup (``wire``: the
+        request as received, counts included, else encoded here) while the table's apply lock is
+        held, in the form it came in, so the backup applies the same push. Its id is recorded even
+        when forwarding refused it (this task was deposed meanwhile): the rows here changed, so a
+        retry must find it applied.
         """
         table = self.get(name)
         with self._apply_lock(name):
             def change() -> tuple[dict[str, int], JaxdistError | None]:
-                counts = table.apply(keys, grads)
+                counts = table.apply(keys, grads, occurrences)
                 if self.forward is None:
                     return counts, None
                 header = ps_pb2.ReplicaHeader()
@@ -213,6 +235,8 @@ class DynamicTables:
                     header.dynamic_push.table, header.dynamic_push.update_id = name, update_id
                     encode_keys(keys, header.dynamic_push.keys)
                     codec.tensor_to_proto(grads, header.dynamic_push.grads)
+                    if occurrences is not None:
+                        encode_counts(occurrences, header.dynamic_push)
                 try:
                     self.forward(header, [])
                 except JaxdistError as e:

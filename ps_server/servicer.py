@@ -39,7 +39,7 @@ from jaxdist.ps_server import save_restore
 from jaxdist.ps_server.backup import ROLE_CODES, Replication
 from jaxdist.ps_server.client import PSClient
 from jaxdist.ps_server.counters import PSCounters
-from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_keys
+from jaxdist.ps_server.dynamic_tables import DynamicTables, config_from_json, decode_counts, decode_keys
 from jaxdist.ps_server.optimizer_cache import OptimizerCache, unpickle
 from jaxdist.ps_server.run_fence import RunFence
 from jaxdist.ps_server.store import NewVariable, VariableStore
@@ -298,7 +298,8 @@ class ParameterServerServicer:
         keys = decode_keys(req.keys, self.store.max_variable_bytes)
         grads = codec.tensor_from_proto(req.grads, self.store.max_variable_bytes)
         with self.run_fence.admit(req.update_id):
-            counts, dup = self.dynamic.push(req.table, keys, grads, req.update_id, wire=req)
+            counts, dup = self.dynamic.push(req.table, keys, grads, req.update_id, wire=req,
+                                            occurrences=decode_counts(req))
         self.counters.add(pushes=1, bytes_pushed=grads.nbytes, duplicates=1 if dup else 0)
         if counts is None:
             return ps_pb2.DynamicPushResponse(duplicate=True)

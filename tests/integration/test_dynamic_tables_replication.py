@@ -77,6 +77,34 @@ def test_backup_stays_identical_and_takes_over(pair) -> None:  # type: ignore[no
     assert bc.dynamic_push("b", ["s1"], np.ones((1, 3), np.float32), update_id="b24").duplicate
 
 
+def test_counted_pushes_reach_the_backup_counted(pair) -> None:  # type: ignore[no-untyped-def]
+    """Counted pushes (each key once, with its count) and uncounted ones are forwarded as they came: the
+    backup stays identical to the primary, and both to a shard fed every batch uncounted."""
+    from jaxdist.ps_server.dynamic_table import DynamicTableShard, reduce_push, validate_keys
+
+    primary, backup, pc, bc = pair
+    cfg = _cfg("c", key_dtype="string")
+    pc.create_dynamic_table(cfg, 0, 1)
+    pc.set_backup(backup.address, 1)
+    ref = DynamicTableShard(cfg)
+    rng = np.random.default_rng(5)
+    for i in range(30):
+        keys = [f"s{k}" for k in (rng.zipf(1.2, size=24) % 50).tolist()]
+        g = rng.standard_normal((24, 3)).astype(np.float32)
+        ref.apply(keys, g)
+        if i % 3:
+            red = reduce_push(validate_keys(keys, "string"), g)
+            pc.dynamic_push("c", red.keys, red.grads, update_id=f"c{i}", counts=red.counts)
+        else:
+            pc.dynamic_push("c", keys, g, update_id=f"c{i}")
+    st = ref.stats()
+    assert st["evictions"] > 0 and st["admissions_refused"] > 0
+    assert _digests(primary) == _digests(backup) == {"c": ref.digest()}
+    assert bc.promote(2) == 2  # a counted push the primary applied is a duplicate on the promoted backup
+    red = reduce_push(["s1", "s1"], np.ones((2, 3), np.float32))
+    assert bc.dynamic_push("c", red.keys, red.grads, update_id="c29", counts=red.counts).duplicate
+
+
 def test_restore_on_a_replicated_primary_reaches_the_backup(pair, tmp_path) -> None:  # type: ignore[no-untyped-def]
     from jaxdist.proto import ps_pb2
 

@@ -26,6 +26,8 @@ from jaxdist.ps_server.dynamic_table import (
     DynamicTableShard,
     EvictionConfig,
     RowOptimizer,
+    reduce_push,
+    validate_keys,
 )
 from jaxdist.ps_server.server import ParameterServer
 from conftest import CREDS
@@ -135,6 +137,65 @@ def test_run_fence_refuses_pushes_of_another_run(client: PSClient) -> None:
     assert _table_counters(client, "t")["pushes"] == 0.0
     assert not client.dynamic_push("t", np.array([1], np.int64), np.ones((1, 4), np.float32),
                                    update_id="runB/c1/0").duplicate
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_counted_pushes_equal_uncounted_ones_and_are_applied_once(client: PSClient, key_dtype: str) -> None:
+    """Two tables, one fed each batch as one row per key occurrence (a request without counts, as older
+    clients send it), the other the batch reduced (each key once, its rows summed, its count): identical
+    answers, rows, counters and shards; a counted push sent again under its id is a duplicate."""
+    cfg = _cfg("old", key_dtype=key_dtype, eviction=EvictionConfig(capacity=25, policy="lfu", ttl_steps=7))
+    client.create_dynamic_table(cfg, 0, 1)
+    client.create_dynamic_table(_cfg("new", key_dtype=key_dtype,
+                                     eviction=EvictionConfig(capacity=25, policy="lfu", ttl_steps=7)), 0, 1)
+    rng = np.random.default_rng(4)
+    probe_ids = np.arange(80, dtype=np.int64)
+    probe = probe_ids if key_dtype == "int64" else [f"k{i}" for i in probe_ids.tolist()]
+    for step in range(30):
+        ids = (rng.zipf(1.2, size=48) % 80).astype(np.int64)
+        keys = ids if key_dtype == "int64" else [f"k{i}" for i in ids.tolist()]
+        grads = (rng.standard_normal((48, 4)) * 10.0 ** rng.integers(-3, 4, size=(48, 1))).astype(np.float32)
+        old = client.dynamic_push("old", keys, grads, update_id=f"o{step}")
+        red = reduce_push(validate_keys(keys, key_dtype), grads)
+        assert len(red.keys) < len(keys)
+        new = client.dynamic_push("new", red.keys, red.grads, update_id=f"n{step}", counts=red.counts)
+        assert (old.applied, old.refused, old.inserted, old.evicted) == (
+            new.applied, new.refused, new.inserted, new.evicted)
+        again = client.dynamic_push("new", red.keys, 3 * red.grads, update_id=f"n{step}", counts=red.counts)
+        assert again.duplicate
+        lo, ln = client.dynamic_lookup("old", probe), client.dynamic_lookup("new", probe)
+        assert np.array_equal(lo[0], ln[0]) and np.array_equal(lo[1], ln[1])
+    assert _table_counters(client, "old") == _table_counters(client, "new")
+    st = _table_counters(client, "old")
+    assert st["pushes"] == 30 and st["evictions"] > 0 and st["admissions_refused"] > 0
+
+
+def test_malformed_counts_are_refused_with_invalid_argument_and_change_nothing(client: PSClient) -> None:
+    client.create_dynamic_table(_cfg(admission=AdmissionConfig(min_count=2)), 0, 1)
+    client.dynamic_push("t", np.array([1, 2, 2, 3], np.int64), np.ones((4, 4), np.float32), update_id="ok")
+    snapshot = client.dynamic_lookup("t", np.arange(10, dtype=np.int64))
+    counters = _table_counters(client, "t")
+
+    def req(keys: list[int], counts: list[int]) -> ps_pb2.DynamicPushRequest:
+        r = ps_pb2.DynamicPushRequest(table="t", update_id="bad")
+        codec.tensor_to_proto(np.asarray(keys, np.int64), r.keys.ids)
+        codec.tensor_to_proto(np.ones((len(keys), 4), np.float32), r.grads)
+        r.counts.extend(counts)
+        return r
+
+    for r in [req([1, 2], [1]), req([1, 2], [1, 1, 1]), req([1, 2], [1, 0]), req([1, 2], [2, -1]),
+              req([1, 1], [1, 1]), req([1, 2], [1 << 62, 1 << 62]), req([1, 2], [(1 << 63) - 1, 1])]:
+        with pytest.raises(InvalidRequestError) as e:
+            _raw_push(client, r)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(InvalidRequestError):  # the client refuses a count list it cannot send
+        client.dynamic_push("t", np.array([1, 2], np.int64), np.ones((2, 4), np.float32), counts=np.ones(1, np.int64))
+    after = client.dynamic_lookup("t", np.arange(10, dtype=np.int64))
+    assert np.array_equal(after[0], snapshot[0]) and np.array_equal(after[1], snapshot[1])
+    assert _table_counters(client, "t") == counters
+    # Without counts, repeated keys are one row per occurrence, as always; the refused id applies now.
+    assert client.dynamic_push("t", np.array([5, 5], np.int64), np.ones((2, 4), np.float32),
+                               update_id="bad").inserted == 1
 
 
 def _raw_push(client: PSClient, req: ps_pb2.DynamicPushRequest) -> ps_pb2.DynamicPushResponse:
