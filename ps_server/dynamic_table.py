@@ -162,14 +162,16 @@ def sum_rows(grads: np.ndarray, inv: np.ndarray, m: int) -> np.ndarray:
     ``m`` distinct keys), each sum taken in row order starting from +0.0: the one summation of a
     push's duplicate keys, so a shard summing an uncounted push and a client reducing a push before
     sending it (:func:`reduce_push`) give bit-identical rows."""
-    g32 = grads.astype(np.float32, copy=False)
-    if m == int(g32.shape[0]):  # no duplicates: a permutation, as the sum below would give it
-        gsum = np.empty(g32.shape, dtype=np.float32)
-        gsum[inv] = g32
-        gsum += np.float32(0.0)  # a sum started from +0.0: -0.0 becomes +0.0
-    else:  # in push order, from +0.0 (so bit-identical everywhere)
-        gsum = np.zeros((m, *g32.shape[1:]), dtype=np.float32)
-        np.add.at(gsum, inv, g32)
+    # A sum past float32's range is infinite, not an error here: callers check what they send or apply.
+    with np.errstate(over="ignore", invalid="ignore"):
+        g32 = grads.astype(np.float32, copy=False)
+        if m == int(g32.shape[0]):  # no duplicates: a permutation, as the sum below would give it
+            gsum = np.empty(g32.shape, dtype=np.float32)
+            gsum[inv] = g32
+            gsum += np.float32(0.0)  # a sum started from +0.0: -0.0 becomes +0.0
+        else:  # in push order, from +0.0 (so bit-identical everywhere)
+            gsum = np.zeros((m, *g32.shape[1:]), dtype=np.float32)
+            np.add.at(gsum, inv, g32)
     return gsum
 
 

@@ -58,11 +58,14 @@ class ShardedReference:
                 out[at] = self.shards[s].lookup(flat[at])[0]
         return out.reshape(keys.shape + (DIM,))
 
-    def apply(self, keys: np.ndarray, grads: np.ndarray) -> None:
+    def apply(self, keys: np.ndarray, grads: np.ndarray) -> dict[str, int]:
         flat, g = keys.reshape(-1), grads.reshape(-1, DIM)
+        out = {"applied": 0, "refused": 0, "inserted": 0, "evicted": 0}
         for s, at in enumerate(self._split(flat)):
             if len(at):
-                self.shards[s].apply(flat[at], g[at])
+                for k, v in self.shards[s].apply(flat[at], g[at]).items():
+                    out[k] += v
+        return out
 
     def stats(self) -> dict[str, int]:
         per = [sh.stats() for sh in self.shards]
@@ -169,6 +172,47 @@ def test_hostile_input_changes_nothing(env) -> None:  # type: ignore[no-untyped-
     with pytest.raises(PayloadTooLargeError):
         table.apply_gradients(np.arange(100, 140), np.ones((40, DIM), np.float32))
     assert np.array_equal(table.lookup(np.arange(40)), before) and table.stats() == stats
+
+
+def test_a_push_given_counted_equals_its_occurrences_and_bad_counts_change_nothing(env) -> None:  # type: ignore[no-untyped-def]
+    """``apply_gradients(keys, rows, counts=...)`` (the Keras layer's push: each key once, its summed row,
+    its count) equals pushing every occurrence (the row at the key's first occurrence, zeros at the
+    others); malformed counts, a key given twice and rows summing past float32 are refused before any
+    PS task is sent anything."""
+    strategy, _ = env
+    with strategy.scope():
+        table = jaxdist.DynamicEmbedding(DIM, name="counted", seed=1, min_count=3, optimizer="adagrad",
+                                         learning_rate=0.1)
+    ref = ShardedReference(table)
+    rng = np.random.default_rng(2)
+    for _ in range(6):
+        distinct = rng.choice(np.arange(40, dtype=np.int64), size=12, replace=False)
+        counts = rng.integers(1, 4, size=12)
+        rows = rng.standard_normal((12, DIM)).astype(np.float32)
+        # Every occurrence: each key first in key order, then its repeats (zero rows), shuffled.
+        repeats = np.repeat(np.arange(12), counts - 1)
+        rng.shuffle(repeats)
+        occ = np.concatenate([np.arange(12), repeats])
+        expanded = np.zeros((occ.size, DIM), np.float32)
+        expanded[:12] = rows
+        want = ref.apply(distinct[occ], expanded)
+        got = table.apply_gradients(distinct.reshape(3, 4), rows.reshape(3, 4, DIM), counts=counts.reshape(3, 4))
+        assert got == want
+    probe = np.arange(40, dtype=np.int64)
+    assert np.array_equal(table.lookup(probe), ref.lookup(probe)) and table.stats() == ref.stats()
+    assert table.stats()["admissions_refused"] > 0 and table.stats()["rows"] > 0
+    before, stats = table.lookup(probe), table.stats()
+    ones = np.ones((2, DIM), np.float32)
+    with pytest.raises(ConfigurationError):
+        table.apply_gradients(np.array([1, 2]), ones, counts=np.array([1]))
+    for keys, g, counts in [(np.array([1, 1]), ones, np.array([1, 1])), (np.array([1, 2]), ones, np.array([1, 0])),
+                            (np.array([1, 2]), ones, np.array([1 << 62, 1 << 62]))]:
+        with pytest.raises(InvalidRequestError):
+            table.apply_gradients(keys, g, counts=counts)
+    big = np.full((2, DIM), 3e38, np.float32)  # each row finite, their sum not
+    with pytest.raises(InvalidRequestError):
+        table.apply_gradients(np.array([5, 5]), big)
+    assert np.array_equal(table.lookup(probe), before) and table.stats() == stats
 
 
 def _train_some(coord: jaxdist.ClusterCoordinator, table: jaxdist.DynamicEmbedding, keys: list[Any]) -> None:

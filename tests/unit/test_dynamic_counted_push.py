@@ -195,3 +195,35 @@ def test_reduce_push_refuses_what_a_shard_would() -> None:
         reduce_push(np.array([1, 2], np.int64), np.ones((3, 3), np.float32))
     empty = reduce_push(np.zeros(0, np.int64), np.zeros((0, 3), np.float32))
     assert empty.grads.shape == (0, 3) and empty.counts.shape == (0,)
+
+
+@pytest.mark.parametrize("key_dtype", ["int64", "string"])
+def test_the_keras_layers_counted_push_equals_its_old_one_row_per_occurrence(key_dtype: str) -> None:
+    """A Keras step's push (jaxdist.keras.layers.DynamicEmbedding): the compact table's gradient as each
+    distinct key once with its count gives the shard what one row per occurrence gave it (the key's row at
+    its first occurrence, zeros at its other occurrences), bit for bit."""
+    from types import SimpleNamespace
+
+    from jaxdist.keras.ps_embedding import DynamicSlot, compact_batch
+
+    cfg = _cfg("adam-both-lru", key_dtype)
+    old, new = DynamicTableShard(cfg), DynamicTableShard(cfg)
+    slot = DynamicSlot("items", 0, SimpleNamespace(config=cfg))
+    rng = np.random.default_rng(8)
+    for step in range(25):
+        ids = (rng.zipf(1.2, size=(16, 3)) % 90).astype(np.int64)
+        x = ids if key_dtype == "int64" else np.asarray([[f"k{i}".encode() for i in r] for r in ids.tolist()], object)
+        got = compact_batch(x, [], [slot], 1)
+        assert got is not None
+        k = got[2][0]
+        n = len(k.distinct)
+        g = rng.standard_normal((k.size, 3)).astype(np.float32)  # the compact table's gradient, padding included
+        g[rng.random(k.size) < 0.1] = -0.0
+        occurrences = np.zeros((len(k.keys), 3), np.float32)  # the push before counts
+        occurrences[k.first] = g[:n]
+        want = old.apply(k.keys, occurrences)
+        keys, rows, counts = k.counted_grads(g)
+        assert len(keys) == n < len(k.keys) and counts.sum() == len(k.keys)
+        assert new.apply(keys, rows, counts) == want
+        assert old.digest() == new.digest(), step
+    assert old.stats()["admissions_refused"] > 0 and old.stats()["evictions"] > 0
