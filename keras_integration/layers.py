@@ -9,8 +9,9 @@ bounded by admission and eviction. It works in ``model.fit`` / ``evaluate`` / ``
 1. takes the batch's distinct keys and looks their rows up on the PS tasks that hold them;
 2. runs the model with a compact table of those rows (padded to a power of two, as row-sparse
    ``Embedding`` layers do: :mod:`jaxdist.keras.ps_embedding`) and the keys renumbered into it;
-3. pushes the gradient of every key occurrence once per step, with the closure's identity (exactly once,
-   as :meth:`jaxdist.DynamicEmbedding.apply_gradients` in a custom loop); the PS applies the table's
+3. pushes each distinct key's gradient row once per step with its number of occurrences (a counted push:
+   admission and LFU count every occurrence), with the closure's identity (exactly once, as
+   :meth:`jaxdist.DynamicEmbedding.apply_gradients` in a custom loop); the PS applies the table's
    per-row rule, made from the model's optimizer: ``SGD`` (no momentum) -> ``"sgd"``, ``Adagrad`` ->
    ``"adagrad"``, ``Adam`` -> ``"lazy_adam"`` once :func:`jaxdist.keras.lazy_embeddings` chose the lazy
    mode (a dynamic table has no rows for the keys a step does not look up: Adam can only be lazy).
