@@ -292,16 +292,18 @@ class DynamicEmbedding:
         if grads.dtype.kind != "f":
             raise DTypeMismatchError(f"gradient rows must be floating point, got {grads.dtype}")
         hashes = hash_keys(keys)
+        with np.errstate(over="ignore"):  # a row past float32's range: infinite, refused by the caller
+            rows = grads.astype(np.float32, copy=False)
         if isinstance(keys, np.ndarray):
             ordered = np.sort(keys)
             if (ordered[1:] == ordered[:-1]).any():
                 raise InvalidRequestError("a key is given twice in a push with counts (each key once, its rows summed)")
-            return ReducedPush(keys, grads.astype(np.float32, copy=False), occ, hashes)
+            return ReducedPush(keys, rows, occ, hashes)
         if len(set(keys)) != len(keys):
             raise InvalidRequestError("a key is given twice in a push with counts (each key once, its rows summed)")
         ident = hashes.view(np.int64)
         if np.unique(ident).shape[0] == ident.shape[0]:
-            return ReducedPush(keys, grads.astype(np.float32, copy=False), occ, hashes)
+            return ReducedPush(keys, rows, occ, hashes)
         _, first, inv = first_occurrences(ident)
         merged = np.zeros(first.shape[0], dtype=np.int64)
         np.add.at(merged, inv, occ)

@@ -13,9 +13,10 @@ Contract:
 - **Pushes** come uncounted (one gradient row per key occurrence) or counted (each distinct key
   once, its rows summed, with its occurrence count: what this package's clients send), with the
   same effect (:meth:`~jaxdist.ps_server.dynamic_table.DynamicTableShard.apply`), and are forwarded
-  to a backup in the form they came in. They are applied at most once per update id, through the store's dedupe table
-  (:meth:`~jaxdist.ps_server.store.VariableStore.apply_once`): a re-run closure's or a retried push is
-  a duplicate, exactly like a variable push (the servicer puts it behind the same run fence).
+  to a backup in the form they came in. They are applied at most once per update id, through the
+  store's dedupe table (:meth:`~jaxdist.ps_server.store.VariableStore.apply_once`): a re-run
+  closure's or a retried push is a duplicate, exactly like a variable push (the servicer puts it
+  behind the same run fence).
 - **Exports for serving.** Every shard takes part in the export cuts of the store's
   :class:`~jaxdist.ps_server.export_rows.ChangeTracker` (:meth:`DynamicTables.participants`): a full
   export writes its keys and rows, a delta the rows of the keys inserted or pushed since the base
