@@ -17,7 +17,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: Fake CPU devices of one process meet in XLA's in-process collectives, which abort the process when
 #: a device's thread is 40 s late (XLA's default): on 2 cores shared with another CPU-heavy job an
 #: 8-device step can be that late. Every subprocess inherits these; tests add their device count.
-XLA_TEST_FLAGS = "--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900"
+#: ``--xla_backend_optimization_level=0``: XLA:CPU generates its machine code without LLVM's
+#: optimisation passes. The tests' programs are tiny and each is run a few times, so compiling them is
+#: most of the CPU a Keras or sync check spends (the Keras PS parity subprocess: 100 -> 75 CPU-seconds).
+#: The arithmetic is IEEE's either way (XLA:CPU does not enable fast-math), so results do not depend
+#: on it; benchmarks (bench/) and users keep XLA's default level.
+XLA_TEST_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 "
+                  "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
 
 #: This run's own temporary directory (inherited by every subprocess through TMPDIR): what a test
