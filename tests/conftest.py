@@ -20,8 +20,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 #: ``--xla_backend_optimization_level=0``: XLA:CPU generates its machine code without LLVM's
 #: optimisation passes. The tests' programs are tiny and each is run a few times, so compiling them is
 #: most of the CPU a Keras or sync check spends (the Keras PS parity subprocess: 100 -> 75 CPU-seconds).
-#: The arithmetic is IEEE's either way (XLA:CPU does not enable fast-math), so results do not depend
-#: on it; benchmarks (bench/) and users keep XLA's default level.
+#: Results differ from the default level's in the last bits (no fused multiply-adds, other
+#: polynomial evaluations, another dot kernel): every process of a run inherits these flags, so the
+#: suite's comparisons stay like for like; a test that compares with a process started without them
+#: must not expect equal bits. Benchmarks (bench/) and users keep XLA's default level.
 XLA_TEST_FLAGS = ("--xla_cpu_collective_call_terminate_timeout_seconds=900 --xla_cpu_collective_timeout_seconds=900 "
                   "--xla_backend_optimization_level=0")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_TEST_FLAGS}".strip()
