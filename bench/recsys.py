@@ -82,6 +82,7 @@ import argparse
 import contextlib
 import json
 import os
+import math
 import statistics
 import subprocess
 import sys
@@ -98,11 +99,18 @@ NUM_DENSE = 13  # dense features, as Criteo's
 #: The 25 tables after the largest (Criteo-like: a few large, most small).
 OTHER_CARDINALITIES = (2_000_000, 500_000, 100_000, 50_000, 20_000, 10_000, 5_000, 2_000, 1_000, 500, 300, 100, 100,
                        50, 30, 20, 10, 10, 5, 4, 4, 3, 3, 3, 3)
+#: The static-table configs (``--configs``'s default).
 OPTIMIZERS = ("adam", "adam_lazy", "sgd", "adagrad")
-#: config -> (the TF config it is compared with, the least jaxdist/TF ratio issue 28 asks for (one host)).
+#: The dynamic-table configs (jaxdist only): the large tables are ``jaxdist.keras.layers.DynamicEmbedding`` layers.
+DYNAMIC_CONFIGS = ("dynamic_sgd", "dynamic_adagrad", "dynamic_adam_lazy")
+CONFIGS = OPTIMIZERS + DYNAMIC_CONFIGS
+#: config -> (the TF config it is compared with, the least jaxdist/TF ratio issue 28 asks for (one host), or None).
 #: SGD's and Adagrad's are the ratios measured before issue 28 (3.1x at 1M rows, 10x at 10M rows): no worse.
-TARGETS: dict[str, tuple[str, float]] = {"adam": ("adam", 1.5), "adam_lazy": ("adam", 3.0), "sgd": ("sgd", 3.1),
-                                         "adagrad": ("adagrad", 3.1)}
+#: The dynamic configs are compared with TF's static model of the same optimizer (hashed buckets of the same total
+#: size, what TF users do); issue 28 sets no ratio for them (None: reported, not judged).
+TARGETS: dict[str, tuple[str, float | None]] = {
+    "adam": ("adam", 1.5), "adam_lazy": ("adam", 3.0), "sgd": ("sgd", 3.1), "adagrad": ("adagrad", 3.1),
+    "dynamic_sgd": ("sgd", None), "dynamic_adagrad": ("adagrad", None), "dynamic_adam_lazy": ("adam", None)}
 HASH = 2654435761  # Knuth's multiplicative hash constant (odd)
 
 
@@ -111,27 +119,50 @@ def cardinalities(largest: int) -> list[int]:
     return [largest] + [min(c, largest) for c in OTHER_CARDINALITIES]
 
 
+def dynamic_indices(cards: list[int], min_rows: int | None) -> list[int]:
+    """The tables that a dynamic config makes ``DynamicEmbedding`` layers: those of at least ``min_rows`` rows
+    (none when ``min_rows`` is None: the static model)."""
+    return [] if min_rows is None else [i for i, c in enumerate(cards) if c >= min_rows]
+
+
+def dynamic_capacity(card: int, num_ps: int) -> int:
+    """Rows per PS task of a dynamic table standing for a ``card``-row one: ``ceil(card / num_ps)`` (the same total
+    rows as TF's ``card`` hashed buckets)."""
+    return math.ceil(card / num_ps)
+
+
 class RecsysData:
     """Criteo-shaped synthetic batches (numpy only; picklable, so it travels to jaxdist's workers).
 
     ``items[i]`` is ``(inputs, y)``: ``inputs`` a tuple of the (batch, 13) float32 dense features and 26
-    (batch, 1) int32 id arrays (one per table), ``y`` (batch, 1) float32 in {0, 1}.
+    (batch, 1) id arrays (one per table), ``y`` (batch, 1) float32 in {0, 1}. Each id is a Zipf rank's
+    multiplicative hash ``raw = rank * HASH`` (int64, wrapping: a 64-bit feature id); a table of ``card``
+    rows reads the bucket ``raw % card`` (int32), and a table in ``dynamic`` (the indices of the tables that
+    are ``DynamicEmbedding`` layers, see :func:`dynamic_indices`) the raw key itself (int64). The draws,
+    the buckets and the labels (computed from the buckets) do not depend on ``dynamic``: both sides of a
+    dynamic comparison see the same examples, TF as hashed buckets, jaxdist as raw keys.
     """
 
-    def __init__(self, cards: list[int], batch: int, batches: int, zipf: float = 1.1, seed: int = 0) -> None:
+    def __init__(self, cards: list[int], batch: int, batches: int, zipf: float = 1.1, seed: int = 0,
+                 dynamic: list[int] | tuple[int, ...] = ()) -> None:
         import numpy as np
 
         rng = np.random.default_rng(seed)
+        self.dynamic = tuple(dynamic)
         self.items: list[tuple[tuple[Any, ...], Any]] = []
         for _ in range(batches):
             dense = rng.normal(size=(batch, NUM_DENSE)).astype(np.float32)
-            cats = []
-            for card in cards:
+            buckets, fed = [], []
+            for i, card in enumerate(cards):
                 rank = rng.zipf(zipf, size=batch).astype(np.int64) - 1  # 0 is the hottest id
-                cats.append(((rank * HASH) % card).astype(np.int32)[:, None])
-            signal = dense[:, 0] - 0.5 * dense[:, 1] + (cats[0][:, 0] % 3 == 0) - (cats[2][:, 0] % 5 == 0)
+                with np.errstate(over="ignore"):
+                    raw = rank * HASH  # wraps modulo 2^64 (as int64): a 64-bit feature id
+                bucket = (raw % card).astype(np.int32)[:, None]
+                buckets.append(bucket)
+                fed.append(raw[:, None] if i in self.dynamic else bucket)
+            signal = dense[:, 0] - 0.5 * dense[:, 1] + (buckets[0][:, 0] % 3 == 0) - (buckets[2][:, 0] % 5 == 0)
             y = (signal > 0.2).astype(np.float32)[:, None]
-            self.items.append(((dense, *cats), y))
+            self.items.append(((dense, *fed), y))
 
     def __call__(self, input_context: Any = None) -> Any:
         return self
@@ -140,34 +171,43 @@ class RecsysData:
         while True:
             yield from self.items
 
-    def distinct_ids_per_step(self) -> float:
-        """Mean over the batches of the distinct ids summed over the tables (the rows a step looks up)."""
+    def distinct_ids_per_step(self, tables: list[int] | None = None) -> float:
+        """Mean over the batches of the distinct ids (raw keys for the dynamic tables) summed over the tables
+        (all, or ``tables``): the rows a step looks up."""
         import numpy as np
 
-        return statistics.mean(sum(len(np.unique(c)) for c in inputs[1:]) for inputs, _ in self.items)
+        which = range(len(self.items[0][0]) - 1) if tables is None else tables
+        return statistics.mean(sum(len(np.unique(inputs[1 + i])) for i in which) for inputs, _ in self.items)
 
 
-def build_model(keras: Any, cards: list[int], dim: int) -> Any:
-    """The DLRM-shaped model with ``keras`` (Keras 3 for jaxdist, tf_keras for TF): the same layers on both sides."""
+def build_model(keras: Any, cards: list[int], dim: int, dynamic: list[int] | tuple[int, ...] = (),
+                dynamic_layer: Any = None) -> Any:
+    """The DLRM-shaped model with ``keras`` (Keras 3 for jaxdist, tf_keras for TF): the same layers on both sides.
+
+    The tables in ``dynamic`` (jaxdist's dynamic configs) take an int64 input and are ``dynamic_layer(i, card)``
+    (a ``jaxdist.keras.layers.DynamicEmbedding``) instead of ``Embedding(card, dim)``.
+    """
     layers = keras.layers
     dense_in = keras.Input((NUM_DENSE,), name="dense_features")
-    cat_ins = [keras.Input((1,), dtype="int32", name=f"c{i}") for i in range(len(cards))]
+    cat_ins = [keras.Input((1,), dtype="int64" if i in dynamic else "int32", name=f"c{i}") for i in range(len(cards))]
     bottom = layers.Dense(16, activation="relu")(layers.Dense(64, activation="relu")(dense_in))
-    embs = [layers.Flatten()(layers.Embedding(card, dim, name=f"emb{i}")(x)) for i, (card, x) in
-            enumerate(zip(cards, cat_ins))]
+    embs = [layers.Flatten()((dynamic_layer(i, card) if i in dynamic else layers.Embedding(card, dim, name=f"emb{i}"))(x))
+            for i, (card, x) in enumerate(zip(cards, cat_ins))]
     h = layers.Concatenate()([bottom, *embs])
     h = layers.Dense(128, activation="relu")(layers.Dense(256, activation="relu")(h))
     return keras.Model([dense_in, *cat_ins], layers.Dense(1)(h))
 
 
 def make_optimizer(keras: Any, config: str) -> Any:
+    """The Keras optimizer of ``config`` (a dynamic config's is its static twin's: ``dynamic_sgd`` -> ``SGD(0.05)``)."""
+    config = config.removeprefix("dynamic_")
     if config in ("adam", "adam_lazy"):
         return keras.optimizers.Adam(1e-3)
     if config == "sgd":
         return keras.optimizers.SGD(0.05)
     if config == "adagrad":
         return keras.optimizers.Adagrad(0.05)
-    raise ValueError(f"unknown config {config!r}; give one of {OPTIMIZERS}")
+    raise ValueError(f"unknown config {config!r}; give one of {CONFIGS}")
 
 
 def _clock(keras: Any, marks: list[tuple[float, Any]], probe: Any) -> Any:
@@ -198,7 +238,15 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
     from jaxdist.keras.ps_model import sync_from_ps
 
     cards = cardinalities(args.largest)
-    data = RecsysData(cards, args.batch, args.batches, args.zipf)
+    dynamic = dynamic_indices(cards, args.dynamic_min_rows) if config in DYNAMIC_CONFIGS else []
+    data = RecsysData(cards, args.batch, args.batches, args.zipf, dynamic=dynamic)
+
+    def dynamic_layer(i: int, card: int) -> Any:
+        # Keras's Embedding's default initializer is uniform in [-0.05, 0.05]: the same law here (from the key).
+        return jaxdist.keras.layers.DynamicEmbedding(
+            args.dim, name=f"emb{i}", initializer="uniform", init_scale=0.05, min_count=args.min_count,
+            capacity=dynamic_capacity(card, args.ps), eviction_policy="lru")
+
     with contextlib.ExitStack() as stack:
         if args.given_cluster:  # the emulated hosts' tasks (--links): JAXDIST_CLUSTER names them
             from jaxdist.cluster_resolver import detect
@@ -209,21 +257,26 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy = jaxdist.ParameterServerStrategy(
             resolver, variable_partitioner=jaxdist.MinSizePartitioner(max_shards=2))
         with strategy.scope():
-            model = build_model(keras, cards, args.dim)
+            model = build_model(keras, cards, args.dim, dynamic, dynamic_layer)
             model.compile(make_optimizer(keras, config), keras.losses.BinaryCrossentropy(from_logits=True),
                           steps_per_execution=args.spe)
-        if config == "adam_lazy":
+        if config.endswith("adam_lazy"):
             jaxdist.keras.lazy_embeddings(model)
+        # The Keras weights: the dense layers and the static tables (a DynamicEmbedding has none: its rows are on
+        # the PS only, and fit's epoch-end pull does not read them).
         model_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in model.weights)
 
-        def moved() -> tuple[int, int]:
+        def dynamic_stats() -> dict[str, dict[str, int]]:
+            return {name: t.stats() for name, t in jaxdist.keras.dynamic_tables(model).items()} if dynamic else {}
+
+        def moved() -> tuple[int, int, dict[str, dict[str, int]]]:
             c = [cl.status().counters for cl in strategy.connections.clients]
-            return sum(x["bytes_pulled"] for x in c), sum(x["bytes_pushed"] for x in c)
+            return sum(x["bytes_pulled"] for x in c), sum(x["bytes_pushed"] for x in c), dynamic_stats()
 
         marks: list[tuple[float, Any]] = []
         clock = _clock(keras, marks, moved)
         model.fit(jaxdist.keras.DatasetCreator(data), epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
-        (t0, (pull0, push0)), (t1, (pull1, push1)) = marks
+        (t0, (pull0, push0, dyn0)), (t1, (pull1, push1, dyn1)) = marks
         # The timed epoch ends with fit's pull of the whole model to the coordinator's Keras variables (TF's fit
         # has no such step). Timed once more on its own, so that the steady state of the steps can be shown too.
         s0 = time.perf_counter()
@@ -232,6 +285,23 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
         strategy.close()
     distinct = data.distinct_ids_per_step()
     examples = args.steps * args.batch
+    static_rows = sum(c for i, c in enumerate(cards) if i not in dynamic)
+    extra: dict[str, Any] = {}
+    if dynamic:
+        def total(stats: dict[str, dict[str, int]], key: str) -> int:
+            return sum(t[key] for t in stats.values())
+
+        extra = dict(
+            dynamic_tables=len(dynamic), dynamic_min_rows=args.dynamic_min_rows, min_count=args.min_count,
+            dynamic_capacity_rows=sum(dynamic_capacity(cards[i], args.ps) * args.ps for i in dynamic),
+            dynamic_bucket_rows=sum(cards[i] for i in dynamic),
+            distinct_dynamic_keys_per_step=round(data.distinct_ids_per_step(dynamic), 1),
+            # at the end of the timed epoch, summed over the dynamic tables
+            **{f"dynamic_{k}": total(dyn1, k) for k in ("rows", "bytes", "pending_keys")},
+            # during the timed epoch (the first epoch's are in dynamic_table_stats' totals)
+            **{f"dynamic_{k}_timed": total(dyn1, k) - total(dyn0, k)
+               for k in ("inserts", "admissions_refused", "evictions", "pushes")},
+            dynamic_table_stats=dyn1)
     return dict(examples_per_s=round(examples / (t1 - t0), 1), seconds=round(t1 - t0, 3),
                 epoch_end_sync_s=round(sync_s, 3),
                 # null when the pull timed on its own took longer than the whole epoch did (a loaded machine)
@@ -239,8 +309,8 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
                 loss=clock.loss, bytes_pulled_per_step=int((pull1 - pull0 - model_bytes) / args.steps),
                 bytes_pushed_per_step=int((push1 - push0) / args.steps), distinct_ids_per_step=round(distinct, 1),
                 row_bytes=args.dim * 4, distinct_row_bytes_per_step=int(distinct * args.dim * 4),
-                model_bytes=model_bytes, dense_param_bytes=model_bytes - sum(cards) * args.dim * 4,
-                version=jaxdist.__version__)
+                model_bytes=model_bytes, dense_param_bytes=model_bytes - static_rows * args.dim * 4,
+                version=jaxdist.__version__, **extra)
 
 
 def run_tf(config: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -248,8 +318,8 @@ def run_tf(config: str, args: argparse.Namespace) -> dict[str, Any]:
     os.environ["TF_USE_LEGACY_KERAS"] = "1"
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    if config == "adam_lazy":
-        raise ValueError("adam_lazy is jaxdist's mode; TF's Adam is its baseline (config adam)")
+    if TARGETS[config][0] != config:
+        raise ValueError(f"{config} is jaxdist's only; TF's {TARGETS[config][0]} is its baseline")
     sys.path.insert(0, HERE)
     import tensorflow as tf
     import tf_keras as keras
@@ -294,21 +364,27 @@ def run_tf(config: str, args: argparse.Namespace) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ driver (pure logic first)
 def schedule(rounds: int, configs: list[str], systems: list[str]) -> list[tuple[int, str, str]]:
-    """(round, system, config) in run order: per round and optimizer, TF and jaxdist alternate who goes first.
+    """(round, system, config) in run order: per round and TF config, TF and jaxdist alternate who goes first.
 
-    ``adam_lazy`` (jaxdist only) runs right after jaxdist's ``adam``, or alone when ``adam`` is not asked for.
+    The configs are grouped by the TF config they are compared with (:data:`TARGETS`: ``adam`` with ``adam_lazy``
+    and ``dynamic_adam_lazy``, ``sgd`` with ``dynamic_sgd``, ...), groups in the order their first config is
+    given. TF runs each group's config once per round, whichever of the group's configs were asked for (so TF's
+    static run is the baseline of the static and the dynamic config alike, and of ``adam_lazy`` without
+    ``adam``); jaxdist runs the group's configs one after the other, the static twin first (``adam`` before
+    ``adam_lazy``), then the others in the order given.
     """
+    groups: dict[str, list[str]] = {}
+    for config in configs:
+        groups.setdefault(TARGETS[config][0], []).append(config)
+    for tf_config, members in groups.items():
+        members.sort(key=lambda c: c != tf_config)  # stable: the static twin first, the rest as given
     out: list[tuple[int, str, str]] = []
     for r in range(rounds):
-        for k, opt in enumerate(c for c in configs if c != "adam_lazy"):
-            pair = ["tf", "jaxdist"] if (r + k) % 2 == 0 else ["jaxdist", "tf"]
-            for system in pair:
-                if system in systems:
-                    out.append((r, system, opt))
-                    if system == "jaxdist" and opt == "adam" and "adam_lazy" in configs:
-                        out.append((r, "jaxdist", "adam_lazy"))
-        if "adam_lazy" in configs and "adam" not in configs and "jaxdist" in systems:
-            out.append((r, "jaxdist", "adam_lazy"))
+        for k, (tf_config, members) in enumerate(groups.items()):
+            for system in (["tf", "jaxdist"] if (r + k) % 2 == 0 else ["jaxdist", "tf"]):
+                if system not in systems:
+                    continue
+                out.extend([(r, "tf", tf_config)] if system == "tf" else [(r, "jaxdist", c) for c in members])
     return out
 
 
@@ -333,6 +409,11 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, 
     rows = []
     for config in configs:
         tf_config, target = TARGETS[config]
+        dynamic = {}
+        if config in DYNAMIC_CONFIGS:  # medians of the dynamic tables' counters (rows at the timed epoch's end)
+            dynamic = {k: med("jaxdist", config, k) for k in (
+                "dynamic_rows", "dynamic_bytes", "dynamic_capacity_rows", "dynamic_inserts_timed",
+                "dynamic_evictions_timed", "dynamic_admissions_refused_timed", "distinct_dynamic_keys_per_step")}
         jd, tf = med("jaxdist", config, "examples_per_s"), med("tf", tf_config, "examples_per_s")
         ratio = None if jd is None or tf is None or tf == 0 else round(jd / tf, 3)
         pulled, pushed = med("jaxdist", config, "bytes_pulled_per_step"), med("jaxdist", config, "bytes_pushed_per_step")
@@ -340,7 +421,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, 
         steps_ratio = None if jd_steps is None or tf is None or tf == 0 else round(jd_steps / tf, 3)
         rows.append(dict(kind="summary", config=config, tf_config=tf_config, tf_examples_per_s=tf,
                          jaxdist_examples_per_s=jd, ratio_jaxdist_to_tf=ratio, target=target,
-                         met=None if ratio is None else ratio >= target,
+                         met=None if ratio is None or target is None else ratio >= target,
                          jaxdist_steps_examples_per_s=jd_steps, ratio_steps_jaxdist_to_tf=steps_ratio,
                          tf_rounds=rounds("tf", tf_config), tf_failures=failures("tf", tf_config),
                          jaxdist_failures=failures("jaxdist", config),
@@ -348,7 +429,7 @@ def summarize(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, 
                                                                                              "distinct_ids_per_step"),
                          distinct_row_bytes_per_step=med("jaxdist", config, "distinct_row_bytes_per_step"),
                          bytes_pulled_per_step=None if pulled is None else int(pulled),
-                         bytes_pushed_per_step=None if pushed is None else int(pushed)))
+                         bytes_pushed_per_step=None if pushed is None else int(pushed), **dynamic))
     return rows
 
 
@@ -356,14 +437,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     def f(x: Any, nd: int = 0) -> str:
         return "-" if x is None else f"{x:,.{nd}f}"
 
-    lines = [["config", "TF ex/s", "jaxdist ex/s", "jd/TF", "target", "met", "jd steps ex/s", "jd/TF", "distinct ids",
-              "pulled B", "pushed B"]]
+    lines = [["config", "TF", "TF ex/s", "jaxdist ex/s", "jd/TF", "target", "met", "jd steps ex/s", "jd/TF",
+              "distinct ids", "pulled B", "pushed B", "dyn rows", "inserts", "evictions"]]
     for r in rows:
-        lines.append([r["config"], f(r["tf_examples_per_s"]), f(r["jaxdist_examples_per_s"]),
-                      f(r["ratio_jaxdist_to_tf"], 2), f">={r['target']:g}",
-                      {True: "yes", False: "NO", None: "?"}[r["met"]], f(r.get("jaxdist_steps_examples_per_s")),
-                      f(r.get("ratio_steps_jaxdist_to_tf"), 2), f(r["distinct_ids_per_step"]),
-                      f(r["bytes_pulled_per_step"]), f(r["bytes_pushed_per_step"])])
+        lines.append([r["config"], r["tf_config"], f(r["tf_examples_per_s"]), f(r["jaxdist_examples_per_s"]),
+                      f(r["ratio_jaxdist_to_tf"], 2), "-" if r["target"] is None else f">={r['target']:g}",
+                      {True: "yes", False: "NO", None: "?" if r["target"] is not None else "-"}[r["met"]],
+                      f(r.get("jaxdist_steps_examples_per_s")), f(r.get("ratio_steps_jaxdist_to_tf"), 2),
+                      f(r["distinct_ids_per_step"]), f(r["bytes_pulled_per_step"]), f(r["bytes_pushed_per_step"]),
+                      f(r.get("dynamic_rows")), f(r.get("dynamic_inserts_timed")),
+                      f(r.get("dynamic_evictions_timed"))])
     widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in lines)
 
@@ -381,7 +464,8 @@ def find_tf_python(explicit: str | None) -> str | None:
 def _one_argv(args: argparse.Namespace) -> list[str]:
     return ["--largest", str(args.largest), "--dim", str(args.dim), "--batch", str(args.batch), "--batches",
             str(args.batches), "--steps", str(args.steps), "--spe", str(args.spe), "--workers", str(args.workers),
-            "--ps", str(args.ps), "--zipf", str(args.zipf)]
+            "--ps", str(args.ps), "--zipf", str(args.zipf), "--dynamic-min-rows", str(args.dynamic_min_rows),
+            "--min-count", str(args.min_count)]
 
 
 def spawn_on_links(lab: Any, logdir: str, port: int, python: str, system: str, config: str,
@@ -429,7 +513,8 @@ def spawn(python: str, system: str, config: str, args: argparse.Namespace) -> di
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--configs", default=",".join(OPTIMIZERS))
+    ap.add_argument("--configs", default=",".join(OPTIMIZERS),
+                    help=f"comma-separated, some of {', '.join(CONFIGS)} (default: the static ones)")
     ap.add_argument("--system", choices=("both", "jaxdist", "tf"), default="both")
     ap.add_argument("--largest", type=int, default=10_000_000, help="rows of the largest table")
     ap.add_argument("--dim", type=int, default=16)
@@ -440,6 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--ps", type=int, default=2)
     ap.add_argument("--zipf", type=float, default=1.1)
+    ap.add_argument("--dynamic-min-rows", type=int, default=10_000,
+                    help="the dynamic configs make the tables of at least this many rows DynamicEmbedding layers "
+                         "(the smaller ones stay Embedding layers)")
+    ap.add_argument("--min-count", type=int, default=1,
+                    help="the dynamic tables' admission: a key gets a row at its MIN_COUNT-th occurrence (default 1: "
+                         "every key, as TF's buckets, so that the two models learn alike)")
     ap.add_argument("--tf-python", default=None)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per contender")
     ap.add_argument("--links", default=None, metavar="RATE",
@@ -467,9 +558,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     configs = args.configs.split(",")
-    unknown = set(configs) - set(OPTIMIZERS)
+    unknown = set(configs) - set(CONFIGS)
     if unknown:
-        ap.error(f"unknown --configs {sorted(unknown)}; give some of {OPTIMIZERS}")
+        ap.error(f"unknown --configs {sorted(unknown)}; give some of {CONFIGS}")
+    if args.dynamic_min_rows < 1 or args.min_count < 1:
+        ap.error("--dynamic-min-rows and --min-count must be >= 1")
     systems = ["jaxdist", "tf"] if args.system == "both" else [args.system]
     tf_python = find_tf_python(args.tf_python) if "tf" in systems else None
     if "tf" in systems and tf_python is None:
@@ -501,7 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         systems=systems, tf_python=tf_python, largest=args.largest, tables=len(cards), total_rows=sum(cards),
         dim=args.dim, batch=args.batch, batches=args.batches, steps_per_epoch=args.steps, steps_per_execution=args.spe,
         workers=args.workers, ps=args.ps, zipf=args.zipf, cpus=os.cpu_count(), load_average=os.getloadavg()[0],
-        links=args.links, jax_cache=args.jax_cache, prewarm=args.prewarm, note=args.note)]
+        links=args.links, jax_cache=args.jax_cache, prewarm=args.prewarm, note=args.note,
+        dynamic_min_rows=args.dynamic_min_rows, min_count=args.min_count,
+        dynamic_tables=len(dynamic_indices(cards, args.dynamic_min_rows)))]
     print(json.dumps(lines[0]), flush=True)
     runs: list[dict[str, Any]] = []
     try:
