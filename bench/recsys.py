@@ -40,6 +40,24 @@ lazy mode in core TF), ``sgd`` (``SGD(0.05)``) and ``adagrad``
 cluster; per round and optimizer TF and jaxdist alternate which goes first
 (jaxdist's ``adam_lazy`` right after its ``adam``). Medians over ``--rounds``.
 
+The dynamic-table variant (``dynamic_sgd``, ``dynamic_adagrad``, ``dynamic_adam_lazy``; jaxdist only, not
+in the default ``--configs``): jaxdist's tables of at least ``--dynamic-min-rows`` rows (default 10,000;
+the smaller ones stay ``Embedding`` layers, as users keep them) are ``jaxdist.keras.layers.DynamicEmbedding``
+layers fed the raw int64 id (the Zipf rank's multiplicative hash, not reduced modulo the table size),
+``capacity`` ``ceil(cardinality / --ps)`` rows per PS task (TF's bucket count in total), LRU eviction,
+admission at the ``--min-count``-th sighting (default 1: every key gets a row at once, as every TF bucket
+has one, so the two models learn alike), Keras's ``Embedding`` initializer (uniform in +-0.05, from the
+key); the same optimizer, ``adam_lazy`` through ``jaxdist.keras.lazy_embeddings`` (a dynamic table's Adam
+is lazy). TF's side is what TF users do: ``Embedding(buckets, dim)`` over the id hashed modulo the bucket
+count, which is the static model: a dynamic config's baseline is TF's run of its static twin (``sgd``,
+``adagrad``, ``adam``). The same draws give both (``RecsysData``: TF reads ``raw % cardinality``, the
+dynamic tables ``raw``; labels from the buckets). TF runs once per round and TF config, whichever of its
+jaxdist configs are asked for (``schedule``); there is no target (``null``). A dynamic run also reports
+the dynamic tables' counters (``jaxdist.DynamicEmbedding.stats()``, summed): rows and bytes at the end of
+the timed epoch, inserts, evictions, refused admissions and shard pushes during it, and each table's
+counters at the end (``dynamic_table_stats``). Its bytes per step count the tables' rows (looked up,
+pushed), not their 8-byte keys and counts.
+
 A contender that fails is a ``failure`` line (its error's tail) and counted in the summary; the
 others still run. Under heavy load (load average 15-25 on the 2-core machine) jaxdist's Adam
 contenders failed in their first epoch: a worker's push to a PS timed out after the PS client's 10 s
@@ -60,7 +78,7 @@ such counters (``null``).
 
 Output: JSON lines on stdout and in ``--out`` (default
 ``bench/results/recsys.jsonl``): a ``config`` line, one ``run`` line per
-contender and round, one ``summary`` line per optimizer with the medians, the
+contender and round, one ``summary`` line per jaxdist config with the medians, the
 jaxdist/TF ratio and the target of issue 28 (``TARGETS``). A short table goes
 to stderr.
 
@@ -74,6 +92,7 @@ runs jaxdist only.
 Usage: python bench/recsys.py [--rounds 3] [--largest 10000000] [--configs adam,adam_lazy,sgd,adagrad]
        [--batch 512] [--steps 64] [--spe 8] [--tf-python PATH] [--system both|jaxdist|tf] [--out FILE]
        [--jax-cache DIR] [--prewarm adam,adam_lazy] [--links 1gbit]
+       [--configs ...,dynamic_sgd,dynamic_adagrad,dynamic_adam_lazy] [--dynamic-min-rows 10000] [--min-count 1]
 """
 
 from __future__ import annotations
@@ -389,7 +408,9 @@ def schedule(rounds: int, configs: list[str], systems: list[str]) -> list[tuple[
 
 
 def summarize(runs: list[dict[str, Any]], configs: list[str]) -> list[dict[str, Any]]:
-    """One ``summary`` line per jaxdist config: medians over rounds, jaxdist/TF and whether TARGETS holds.
+    """One ``summary`` line per jaxdist config: medians over rounds, jaxdist/TF and whether TARGETS holds
+    (``met`` null for a config without a target: the dynamic ones), and for a dynamic config the medians of its
+    tables' counters (``dynamic_rows``, ``dynamic_inserts_timed``, ``dynamic_evictions_timed``, ...).
 
     ``runs`` are the ``run`` lines and the ``failure`` lines (a contender that failed: counted, no figure).
     """
