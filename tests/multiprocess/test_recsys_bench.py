@@ -128,8 +128,9 @@ def test_cardinalities_have_26_tables_the_largest_first(recsys: Any) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_jaxdist_side_moves_the_batch_rows_not_the_table(tmp_path: Path, recsys: Any) -> None:
-    """A tiny run of jaxdist's side (no TF): 2 PS + 2 workers, SGD, the dynamic config: the four 100K-row tables
-    are DynamicEmbedding layers, the 22 others (50K rows and fewer) static Embedding layers (row-sparse).
+    """A tiny run of jaxdist's side (no TF): 2 PS + 1 worker, SGD, the dynamic config: the four 100K-row tables
+    are DynamicEmbedding layers, the 22 others (50K rows and fewer) static Embedding layers (row-sparse), so one
+    run covers both paths (one worker: less CPU than the static config's run with 2 workers, the test before).
 
     Every step pulls the dense layers plus exactly the rows of the batch's distinct ids (static tables) and keys
     (dynamic tables), a few hundred KB, not a 3.2 MB static table. (SGD: its PS steps compile fast. With Adam,
@@ -140,7 +141,7 @@ def test_jaxdist_side_moves_the_batch_rows_not_the_table(tmp_path: Path, recsys:
     r = subprocess.run(
         [sys.executable, str(BENCH / "recsys.py"), "--system", "jaxdist", "--rounds", "1", "--configs", "dynamic_sgd",
          "--largest", "100000", "--dynamic-min-rows", "100000", "--batch", "64", "--batches", "2", "--steps", "4",
-         "--spe", "2", "--out", str(out)],
+         "--spe", "2", "--workers", "1", "--out", str(out)],
         capture_output=True, text=True, timeout=270, env={**os.environ, "JAX_PLATFORMS": "cpu", "KERAS_BACKEND": "jax"},
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -148,7 +149,7 @@ def test_jaxdist_side_moves_the_batch_rows_not_the_table(tmp_path: Path, recsys:
     assert [rec["kind"] for rec in lines] == ["config", "run", "summary"], lines
     config, run, summary = lines
     assert config["tables"] == 26 and config["systems"] == ["jaxdist"] and config["largest"] == 100_000
-    assert config["dynamic_tables"] == 4 and config["min_count"] == 1
+    assert config["dynamic_tables"] == 4 and config["min_count"] == 1 and config["workers"] == 1
     assert run["system"] == "jaxdist" and run["config"] == "dynamic_sgd" and run["examples_per_s"] > 0
     rows = run["distinct_row_bytes_per_step"]
     assert rows == pytest.approx(run["distinct_ids_per_step"] * 64, abs=64)
