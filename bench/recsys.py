@@ -56,7 +56,10 @@ jaxdist configs are asked for (``schedule``); there is no target (``null``). A d
 the dynamic tables' counters (``jaxdist.DynamicEmbedding.stats()``, summed): rows and bytes at the end of
 the timed epoch, inserts, evictions, refused admissions and shard pushes during it, and each table's
 counters at the end (``dynamic_table_stats``). Its bytes per step count the tables' rows (looked up,
-pushed), not their 8-byte keys and counts.
+pushed), not their 8-byte keys and counts. The ``--batches`` distinct batches bound the keys a table sees:
+with the default 8 (x 512 examples) each dynamic table gets ~2,400 keys, all in the first epoch, and
+evicts none; ``--batches 64`` gives each ~15,500 keys, so that the 10,000-row table (10,000 rows of
+capacity) evicts every epoch (LRU over a cycle longer than the capacity), ``--batches 128`` ~29,000.
 
 A contender that fails is a ``failure`` line (its error's tail) and counted in the summary; the
 others still run. Under heavy load (load average 15-25 on the 2-core machine) jaxdist's Adam
