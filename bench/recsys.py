@@ -59,8 +59,8 @@ counters at the end (``dynamic_table_stats``). Its bytes per step count the tabl
 pushed), not their 8-byte keys and counts. The ``--batches`` distinct batches bound the keys a table sees:
 with the default 8 (x 512 examples) each dynamic table gets ~2,400 keys, all in the first epoch, and
 evicts none; ``--batches 64`` gives each ~15,500 keys, so that the 10,000-row table (10,000 rows of
-capacity) evicts in the timed epoch (each worker reads batches 0-31 in the first epoch, ~8,400 keys that fit, and
-32-63 in the second), ``--batches 128`` ~29,000.
+capacity) evicts in the timed epoch (with the steps split evenly, each worker reads batches 0-31 in the
+first epoch, ~8,400 keys, which fit, and 32-63 in the second), ``--batches 128`` ~29,000.
 
 A contender that fails is a ``failure`` line (its error's tail) and counted in the summary; the
 others still run. Under heavy load (load average 15-25 on the 2-core machine) jaxdist's Adam
