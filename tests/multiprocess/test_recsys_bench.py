@@ -99,8 +99,6 @@ def test_summary_of_a_dynamic_config_compares_with_tfs_static_run_and_sets_no_ta
 
 
 def test_the_same_draws_give_tf_its_buckets_and_the_dynamic_tables_raw_keys(recsys: Any) -> None:
-    import numpy as np
-
     cards = recsys.cardinalities(100_000)
     dynamic = recsys.dynamic_indices(cards, 10_000)
     assert [cards[i] for i in dynamic] == [100_000] * 4 + [50_000, 20_000, 10_000]

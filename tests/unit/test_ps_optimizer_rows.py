@@ -48,6 +48,7 @@ def test_lazy_state_is_writable_and_rows_equal_the_rule_on_those_rows() -> None:
         upd, _ = tx.update(g, tx.init(p), p)
         return optax.apply_updates(p, upd)
 
-    # The rule on those rows, compiled as the lazy step is (op by op, XLA may round the last bit otherwise).
+    # The rule on those rows, compiled as the lazy step is: run op by op instead, XLA rounds some last bits
+    # differently at the tests' optimisation level (tests/conftest.py).
     want = __import__("jax").jit(rule)(param[uniq], rows)
     np.testing.assert_array_equal(new_rows, np.asarray(want))
