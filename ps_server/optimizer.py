@@ -30,6 +30,7 @@ are applied in one of two modes, chosen per optimizer:
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -37,6 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["LazyRows", "Optimizer", "RowSeparable", "is_lazy", "is_row_separable", "lazy_rows", "row_separable"]
 
@@ -151,6 +154,11 @@ def _donatable(param: Any, state: Any) -> bool:
     return all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves((param, state)))
 
 
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array (numpy, XLA, or a ShapeDtypeStruct)."""
+    return jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype))
+
+
 def _to_numpy_tree(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
@@ -217,6 +225,9 @@ class Optimizer:
 
         self._zero_step = jax.jit(zero_step)
         self._zero_step_donating = jax.jit(zero_step, donate_argnums=(0, 1))
+        #: Per variable layout: the zero step compiled with its buffers donated, or None where XLA's
+        #: program for it needs a table-sized temporary (then the one-step path runs; see _zero_plan).
+        self._zero_plans: dict[Any, Any] = {}
         self._put_rows = jax.jit(put_rows, donate_argnums=(0, 1))
 
     def init(self, param: np.ndarray) -> Any:
@@ -256,7 +267,8 @@ class Optimizer:
         result (see there) when the variable has at least ``separable_min_size``
         elements; any other in one.
         """
-        if self.row_separable and int(np.prod(np.shape(param))) >= self.separable_min_size:
+        if (self.row_separable and int(np.prod(np.shape(param))) >= self.separable_min_size
+                and self._zero_plan(param, state) is not None):
             return self._apply_rows_separable(param, state, indices, rows, donate)
         n = len(indices)
         pad = _bucket(n) - n
@@ -266,6 +278,35 @@ class Optimizer:
         fn = self._row_step_donating if donate and _donatable(param, state) else self._row_step
         new_param, new_state = fn(param, state, indices, rows)
         return np.asarray(new_param), new_param, new_state
+
+    def _zero_plan(self, param: Any, state: Any) -> Any:
+        """The donating zero step for this variable's layout (compiled once per layout), or None when the
+        three-step path does not pay for it.
+
+        XLA may recompute a cheap state update (momentum's ``m * b``) inside the parameter's loop, which
+        then reads the old state after the state's own loop overwrote the donated buffer in place: XLA
+        copies that state leaf first, a table-sized temporary (seen for SGD with momentum, RMSprop,
+        Adagrad, Adamax, optax's Adam). Such a step moves as many bytes as the one-step path, which
+        writes and reads a table-sized gradient, so it is used only where it needs no temporary of a
+        table leaf's size (Keras's Adam, AdamW, Nadam: three loops, each buffer read and written once).
+        The choice depends on the layout only, never on the push, so a variable's pushes always take
+        the same path.
+        """
+        aval = _aval(param)
+        state_avals = jax.tree.map(_aval, state)
+        key = (aval, jax.tree.structure(state_avals), tuple(jax.tree.leaves(state_avals)))
+        with self._lock:
+            if key in self._zero_plans:
+                return self._zero_plans[key]
+        compiled = self._zero_step_donating.lower(aval, state_avals, jax.ShapeDtypeStruct((), aval.dtype)).compile()
+        stats = compiled.memory_analysis()
+        leaf_bytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
+        plan = compiled if stats is not None and stats.temp_size_in_bytes < leaf_bytes else None
+        logger.info("exact row pushes of a %s %s variable: %s (the zero-gradient step's temporaries: %s bytes)",
+                    aval.shape, aval.dtype, "three steps" if plan is not None else "one step",
+                    None if stats is None else stats.temp_size_in_bytes)
+        with self._lock:
+            return self._zero_plans.setdefault(key, plan)
 
     def _apply_rows_separable(
         self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray, donate: bool
@@ -296,7 +337,9 @@ class Optimizer:
         # The rule on the rows with the dense step's own jitted function (the same fused arithmetic
         # as the dense step's, so the rows round as they would there).
         p_rows, state_rows = self._step(take(param), jax.tree.map(take, state), grad)
-        zero = self._zero_step_donating if donate and _donatable(param, state) else self._zero_step
+        zero = self._zero_step
+        if donate and _donatable(param, state):
+            zero = self._zero_plan(param, state) or self._zero_step_donating
         new_param, new_state = zero(param, state, np.zeros((), param.dtype))
         new_param, new_state = self._put_rows(new_param, new_state, uniq_p, p_rows, state_rows)
         return np.asarray(new_param), new_param, new_state
