@@ -16,9 +16,12 @@ and each variant of ``--variants``:
 - ``dense``: the rule unmarked: the rows scattered into a zero gradient of the
   whole shard inside one jitted step, then the dense rule (the path every
   exact-mode push took before :func:`jaxdist.ps_server.optimizer.row_separable`),
-- ``separable``: the rule marked :func:`~jaxdist.ps_server.optimizer.row_separable`:
-  the rule on the pushed rows, the dense rule with a zero gradient broadcast
-  inside the step (no table-sized gradient), the rows written over it.
+- ``separable``: the rule marked :func:`~jaxdist.ps_server.optimizer.row_separable`
+  (at every table size): where XLA's zero-gradient step needs no table-sized
+  temporary (Keras's Adam, AdamW, Nadam), three steps: the rule on the pushed
+  rows, the dense rule with a zero gradient broadcast inside the step (no
+  table-sized gradient), the rows written over it; elsewhere (``three_steps``
+  false in the result line: optax's Adam, SGD with momentum) the one-step path.
 
 Variants alternate push by push (each keeps its own table and state), after
 ``--warmup`` untimed pushes each (compilation). Every push's wall time and
@@ -126,7 +129,8 @@ def main() -> None:
                 emit(kind="result", rule=rule_name, rows=rows, dim=args.dim, push=args.push, variant=v,
                      median_ms=round(statistics.median(times[v]), 2), min_ms=round(min(times[v]), 2),
                      max_ms=round(max(times[v]), 2), median_cpu_ms=round(statistics.median(cpus[v]), 2),
-                     param_in_place=all(in_place[v]), pushes=len(times[v]), load_average=round(os.getloadavg()[0], 2))
+                     param_in_place=all(in_place[v]), three_steps=opts[v]._row_step._cache_size() == 0,
+                     pushes=len(times[v]), load_average=round(os.getloadavg()[0], 2))
             if len(variants) > 1:
                 ref = variants[0]
                 leaves = {v: [np.asarray(x) for x in jax.tree.leaves(live[v])] for v in variants}

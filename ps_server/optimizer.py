@@ -17,10 +17,10 @@ are applied in one of two modes, chosen per optimizer:
   so a PS run equals a single-device run; the PS's arithmetic is O(table)
   per push, the wire's O(rows) (TF's ``ParameterServerStrategy`` does the same).
   For a rule marked :func:`row_separable` (every Keras rule
-  :func:`jaxdist.keras.ps_optimizers.to_optax` makes) the same result is
-  computed with less memory traffic: the dense rule with a constant zero
-  gradient (no table-sized gradient buffer), and the pushed rows' update on
-  those rows alone, written over it.
+  :func:`jaxdist.keras.ps_optimizers.to_optax` makes) on a large variable the
+  same values may be computed with less memory traffic: the pushed rows'
+  update on those rows alone, the dense rule with a zero gradient (no
+  table-sized gradient buffer), the rows written over it (see :meth:`Optimizer.apply_rows`).
 - *lazy* (:func:`lazy_rows`, TF's ``LazyAdam``): only the rows named by the
   indices change, in the parameter and in every optimizer-state leaf shaped
   like the parameter; state leaves of other shapes (step counts) advance once
@@ -103,14 +103,17 @@ def row_separable(tx: optax.GradientTransformation) -> optax.GradientTransformat
     Keras rules it makes.
 
     For a marked transformation the exact mode (the default, without
-    :func:`lazy_rows`) computes a row push as the dense rule with a constant
-    zero gradient (no table-sized gradient is written and read back), then
-    the rule on the pushed rows alone (their duplicate indices summed first),
-    written over those rows: the result equals the unmarked transformation's
-    (the dense rule on the gradient with the rows scattered into zeros), with
-    about a quarter less memory traffic per push for Adam. Marking a rule
-    that is not row-separable gives wrong results for the pushed rows. Dense
-    gradients and the lazy mode are unaffected; a :func:`lazy_rows`
+    :func:`lazy_rows`) may compute a row push as the rule on the pushed rows
+    alone (their duplicate indices summed first), the dense rule with a zero
+    gradient (no table-sized gradient is written and read back), and the
+    pushed rows written over its result: the values are the unmarked
+    transformation's (the dense rule on the gradient with the rows scattered
+    into zeros), with about a quarter less memory traffic per push for Adam.
+    The PS does so for variables of at least ``SEPARABLE_MIN_SIZE`` elements
+    where XLA compiles the zero-gradient step without a table-sized temporary
+    (Keras's Adam, AdamW, Nadam), else it runs the unmarked path. Marking a
+    rule that is not row-separable gives wrong results for the pushed rows.
+    Dense gradients and the lazy mode are unaffected; a :func:`lazy_rows`
     transformation is returned as it is (its pushes touch the pushed rows only).
 
     Raises:
@@ -264,8 +267,10 @@ class Optimizer:
         zeros elsewhere; only ``len(indices)`` rows enter XLA (padded to a
         power of two: O(log n) compilations per shape). ``donate``: as for :meth:`apply`.
         A :func:`row_separable` rule is computed in three steps with the same
-        result (see there) when the variable has at least ``separable_min_size``
-        elements; any other in one.
+        values (see there) when the variable has at least ``separable_min_size``
+        elements and XLA compiles its zero-gradient step without a table-sized
+        temporary (:meth:`_zero_plan`); any other in one. The first push of a
+        variable layout on that path compiles the donating zero step (once).
         """
         if (self.row_separable and int(np.prod(np.shape(param))) >= self.separable_min_size
                 and self._zero_plan(param, state) is not None):
