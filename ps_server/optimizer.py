@@ -141,8 +141,10 @@ MIN_ROW_BUCKET = 256
 
 #: A :func:`row_separable` rule's row pushes take the three-step path for variables of at least this
 #: many elements; smaller ones keep the one-step path (same results for the rules ``to_optax`` makes):
-#: the three steps' fixed cost (three dispatches, the ids sorted on the host) is more than the memory
-#: traffic they save on a small table.
+#: the three steps' fixed cost (three dispatches, the ids sorted on the host: a few tenths of a ms, seen
+#: once on a loaded machine at 20K x 16) is more than the memory traffic they save on a small table
+#: (three table-sized passes: ~12 MB at 1M float32 elements, a millisecond or two at memory speed).
+#: An estimate from those figures, not a measured crossover (bench/exact_rows.py --rows measures it).
 SEPARABLE_MIN_SIZE = 1 << 20
 
 
