@@ -90,7 +90,7 @@ if TYPE_CHECKING:
         replicated,
         scale_regularization_loss,
     )
-    from jaxdist.ps_server.optimizer import lazy_rows
+    from jaxdist.ps_server.optimizer import lazy_rows, row_separable
     from jaxdist.variables import SparseGradient, Variable, apply_gradients, pull, push_pull
     from jaxdist.worker.context import current_sync_step, current_worker_index
 
@@ -174,6 +174,7 @@ __all__ = [
     "errors",
     "pull",
     "push_pull",
+    "row_separable",
     "steps_per_execution",
 ]
 
@@ -209,7 +210,7 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "in_cross_replica_context", "initialize_tpu_system", "read_variables", "replicated",
         "scale_regularization_loss",
     ),
-    "jaxdist.ps_server.optimizer": ("lazy_rows",),
+    "jaxdist.ps_server.optimizer": ("lazy_rows", "row_separable"),
     "jaxdist.variables": ("SparseGradient", "Variable", "apply_gradients", "pull", "push_pull"),
     "jaxdist.worker.context": ("current_sync_step", "current_worker_index"),
 }

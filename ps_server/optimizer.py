@@ -16,6 +16,11 @@ are applied in one of two modes, chosen per optimizer:
   (Adam's moments of the rows not pushed decay, momentum keeps moving them),
   so a PS run equals a single-device run; the PS's arithmetic is O(table)
   per push, the wire's O(rows) (TF's ``ParameterServerStrategy`` does the same).
+  For a rule marked :func:`row_separable` (every Keras rule
+  :func:`jaxdist.keras.ps_optimizers.to_optax` makes) on a large variable the
+  same values may be computed with less memory traffic: the pushed rows'
+  update on those rows alone, the dense rule with a zero gradient (no
+  table-sized gradient buffer), the rows written over it (see :meth:`Optimizer.apply_rows`).
 - *lazy* (:func:`lazy_rows`, TF's ``LazyAdam``): only the rows named by the
   indices change, in the parameter and in every optimizer-state leaf shaped
   like the parameter; state leaves of other shapes (step counts) advance once
@@ -25,6 +30,7 @@ are applied in one of two modes, chosen per optimizer:
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -33,7 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-__all__ = ["LazyRows", "Optimizer", "is_lazy", "lazy_rows"]
+logger = logging.getLogger(__name__)
+
+__all__ = ["LazyRows", "Optimizer", "RowSeparable", "is_lazy", "is_row_separable", "lazy_rows", "row_separable"]
 
 
 class LazyRows(optax.GradientTransformation):
@@ -71,12 +79,73 @@ def is_lazy(tx: Any) -> bool:
     return isinstance(tx, LazyRows)
 
 
+class RowSeparable(optax.GradientTransformation):
+    """An optax transformation marked row-separable (made by :func:`row_separable`): the exact mode
+    computes its row pushes with less memory traffic, with the same results.
+
+    The same ``(init, update)`` pair as the transformation it marks; wrapping it
+    again (``optax.chain(marked, ...)``) gives an unmarked transformation.
+    """
+
+
+def row_separable(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+    """``tx`` marked *row-separable*: the PS applies its exact-mode row pushes faster, with the same results.
+
+    A transformation is row-separable when row ``i`` of its new parameter and of
+    every state leaf shaped like the parameter depends only on row ``i`` of the
+    parameter, of those leaves and of the gradient, and on the state leaves of
+    other shapes (step counts), which must not depend on the gradient or the
+    parameter. Element-wise rules are (SGD, momentum, Adam, AdamW's decoupled
+    decay, RMSprop, Adagrad, Adamax, Nadam, Ftrl, optax's element-wise
+    transforms and ``optax.chain`` of them); rules that reduce over the variable
+    are not (clipping by a norm, LARS/LAMB trust ratios, anything reading a
+    norm or a mean). :func:`jaxdist.keras.ps_optimizers.to_optax` marks the
+    Keras rules it makes.
+
+    For a marked transformation the exact mode (the default, without
+    :func:`lazy_rows`) may compute a row push as the rule on the pushed rows
+    alone (their duplicate indices summed first), the dense rule with a zero
+    gradient (no table-sized gradient is written and read back), and the
+    pushed rows written over its result: the values are the unmarked
+    transformation's (the dense rule on the gradient with the rows scattered
+    into zeros), with about a quarter less memory traffic per push for Adam.
+    The PS does so for variables of at least ``SEPARABLE_MIN_SIZE`` elements
+    where XLA compiles the zero-gradient step without a table-sized temporary
+    (Keras's Adam, AdamW, Nadam), else it runs the unmarked path. Marking a
+    rule that is not row-separable gives wrong results for the pushed rows.
+    Dense gradients and the lazy mode are unaffected; a :func:`lazy_rows`
+    transformation is returned as it is (its pushes touch the pushed rows only).
+
+    Raises:
+        TypeError: ``tx`` is not an optax ``GradientTransformation`` (has no ``init``/``update``).
+    """
+    if not (hasattr(tx, "init") and hasattr(tx, "update")):
+        raise TypeError(f"row_separable needs an optax.GradientTransformation, got {type(tx).__name__}")
+    if isinstance(tx, (LazyRows, RowSeparable)):
+        return tx
+    return RowSeparable(tx.init, tx.update)
+
+
+def is_row_separable(tx: Any) -> bool:
+    """Whether ``tx`` is marked row-separable (made by :func:`row_separable`)."""
+    return isinstance(tx, RowSeparable)
+
+
 #: Row pushes are padded to at least this many rows. Each padded size is one XLA compilation of the
 #: row step, shared by every table of the optimizer; without a floor a model with tables of every size
 #: (a recommender's 26: 3 to 10M rows) compiled ~10 sizes in its first pushes, each seconds on a loaded
 #: machine, and its first push outlived the client's push deadline. Padding a 3-row push to 256 rows
 #: costs microseconds.
 MIN_ROW_BUCKET = 256
+
+
+#: A :func:`row_separable` rule's row pushes take the three-step path for variables of at least this
+#: many elements; smaller ones keep the one-step path (same results for the rules ``to_optax`` makes):
+#: the three steps' fixed cost (three dispatches, the ids sorted on the host: a few tenths of a ms, seen
+#: once on a loaded machine at 20K x 16) is more than the memory traffic they save on a small table
+#: (three table-sized passes: ~12 MB at 1M float32 elements, a millisecond or two at memory speed).
+#: An estimate from those figures, not a measured crossover (bench/exact_rows.py --rows measures it).
+SEPARABLE_MIN_SIZE = 1 << 20
 
 
 def _bucket(n: int) -> int:
@@ -90,6 +159,11 @@ def _donatable(param: Any, state: Any) -> bool:
     return all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves((param, state)))
 
 
+def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of an array (numpy, XLA, or a ShapeDtypeStruct)."""
+    return jax.ShapeDtypeStruct(np.shape(x), np.dtype(x.dtype))
+
+
 def _to_numpy_tree(tree: Any) -> Any:
     return jax.tree.map(np.asarray, tree)
 
@@ -97,11 +171,15 @@ def _to_numpy_tree(tree: Any) -> Any:
 class Optimizer:
     """An optax transformation applied to one variable at a time, jit-compiled once per shape."""
 
-    def __init__(self, tx: optax.GradientTransformation, digest: str = "") -> None:
+    def __init__(self, tx: optax.GradientTransformation, digest: str = "", *,
+                 separable_min_size: int = SEPARABLE_MIN_SIZE) -> None:
+        """``separable_min_size``: a :func:`row_separable` rule's row pushes into variables of at least
+        this many elements take the three-step path (see :meth:`apply_rows`)."""
         if not (hasattr(tx, "init") and hasattr(tx, "update")):
             raise TypeError(f"optimizer must be an optax.GradientTransformation, got {type(tx).__name__}")
         self.tx = tx
         self.digest = digest
+        self.separable_min_size = separable_min_size
         #: Row gradients change only their rows (:func:`lazy_rows`); else the dense rule runs (exact).
         self.lazy = is_lazy(tx)
         self._lock = threading.Lock()
@@ -128,6 +206,34 @@ class Optimizer:
         self._step_donating = jax.jit(step, donate_argnums=(0, 1))
         self._row_step_donating = jax.jit(row_step, donate_argnums=(0, 1))
         self._init = jax.jit(tx.init)
+
+        #: The exact mode's row pushes as three steps (:func:`row_separable` rules only).
+        self.row_separable = is_row_separable(tx)
+
+        def zero_step(param: jax.Array, state: Any, zero: jax.Array) -> tuple[jax.Array, Any]:
+            # The dense rule with a zero gradient, broadcast from a scalar argument: XLA fuses the
+            # broadcast into the update's loops, so no table-sized gradient is written and read
+            # back. Not a constant: XLA would simplify the rule around a known zero (x - 0*c -> x,
+            # (x*c1)*c2 -> x*(c1*c2)) and round some results differently from the dense step's.
+            updates, new_state = tx.update(jnp.broadcast_to(zero.astype(param.dtype), param.shape), state, param)
+            return optax.apply_updates(param, updates), new_state
+
+        def put_rows(param: jax.Array, state: Any, uniq: jax.Array, p_rows: jax.Array,
+                     state_rows: Any) -> tuple[jax.Array, Any]:
+            # The pushed rows' results over the zero-gradient ones (in place: both donated).
+            shape = param.shape
+
+            def put(leaf: Any, new: Any) -> Any:
+                return leaf.at[uniq].set(new, mode="drop") if leaf.shape == shape else leaf
+
+            return param.at[uniq].set(p_rows, mode="drop"), jax.tree.map(put, state, state_rows)
+
+        self._zero_step = jax.jit(zero_step)
+        self._zero_step_donating = jax.jit(zero_step, donate_argnums=(0, 1))
+        #: Per variable layout: the zero step compiled with its buffers donated, or None where XLA's
+        #: program for it needs a table-sized temporary (then the one-step path runs; see _zero_plan).
+        self._zero_plans: dict[Any, Any] = {}
+        self._put_rows = jax.jit(put_rows, donate_argnums=(0, 1))
 
     def init(self, param: np.ndarray) -> Any:
         """The optimizer state of ``param``: numpy arrays (writable copies in the lazy mode)."""
@@ -162,7 +268,15 @@ class Optimizer:
         for the dense gradient that has ``rows`` added at ``indices`` and
         zeros elsewhere; only ``len(indices)`` rows enter XLA (padded to a
         power of two: O(log n) compilations per shape). ``donate``: as for :meth:`apply`.
+        A :func:`row_separable` rule is computed in three steps with the same
+        values (see there) when the variable has at least ``separable_min_size``
+        elements and XLA compiles its zero-gradient step without a table-sized
+        temporary (:meth:`_zero_plan`); any other in one. The first push of a
+        variable layout on that path compiles the donating zero step (once).
         """
+        if (self.row_separable and int(np.prod(np.shape(param))) >= self.separable_min_size
+                and self._zero_plan(param, state) is not None):
+            return self._apply_rows_separable(param, state, indices, rows, donate)
         n = len(indices)
         pad = _bucket(n) - n
         if pad:
@@ -170,6 +284,71 @@ class Optimizer:
             rows = np.concatenate([rows, np.zeros((pad,) + rows.shape[1:], rows.dtype)])
         fn = self._row_step_donating if donate and _donatable(param, state) else self._row_step
         new_param, new_state = fn(param, state, indices, rows)
+        return np.asarray(new_param), new_param, new_state
+
+    def _zero_plan(self, param: Any, state: Any) -> Any:
+        """The donating zero step for this variable's layout (compiled once per layout), or None when the
+        three-step path does not pay for it.
+
+        XLA may recompute a cheap state update (momentum's ``m * b``) inside the parameter's loop, which
+        then reads the old state after the state's own loop overwrote the donated buffer in place: XLA
+        copies that state leaf first, a table-sized temporary (seen for SGD with momentum, RMSprop,
+        Adagrad, Adamax, optax's Adam). Such a step moves as many bytes as the one-step path, which
+        writes and reads a table-sized gradient, so it is used only where it needs no temporary of a
+        table leaf's size (Keras's Adam, AdamW, Nadam: three loops, each buffer read and written once).
+        The choice depends on the layout only, never on the push, so a variable's pushes always take
+        the same path.
+        """
+        aval = _aval(param)
+        state_avals = jax.tree.map(_aval, state)
+        key = (aval, jax.tree.structure(state_avals), tuple(jax.tree.leaves(state_avals)))
+        with self._lock:
+            if key in self._zero_plans:
+                return self._zero_plans[key]
+        compiled = self._zero_step_donating.lower(aval, state_avals, jax.ShapeDtypeStruct((), aval.dtype)).compile()
+        stats = compiled.memory_analysis()
+        leaf_bytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
+        plan = compiled if stats is not None and stats.temp_size_in_bytes < leaf_bytes else None
+        logger.info("exact row pushes of a %s %s variable: %s (the zero-gradient step's temporaries: %s bytes)",
+                    aval.shape, aval.dtype, "three steps" if plan is not None else "one step",
+                    None if stats is None else stats.temp_size_in_bytes)
+        with self._lock:
+            return self._zero_plans.setdefault(key, plan)
+
+    def _apply_rows_separable(
+        self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray, donate: bool
+    ) -> tuple[np.ndarray, jax.Array, Any]:
+        """:meth:`apply_rows` for a :func:`row_separable` rule: the rule on the pushed rows (gathered),
+        the zero-gradient dense step (donated when allowed), then those rows written over its result."""
+        shape = param.shape
+        n = len(indices)
+        b = _bucket(n)
+        uniq, inverse = np.unique(indices, return_inverse=True)
+        u = len(uniq)
+        # The pushed rows' gradient: duplicates summed in push order from +0.0 in the parameter's
+        # dtype, as the dense scatter-add sums them. Padding rows (zero gradient, zero parameter and
+        # state) are computed and never written back (their indices are past the table).
+        grad = np.zeros((b,) + shape[1:], param.dtype)
+        np.add.at(grad, inverse.reshape(-1), rows.astype(param.dtype, copy=False))
+        uniq_p = np.full(b, shape[0], np.int64)
+        uniq_p[:u] = uniq
+
+        def take(leaf: Any) -> Any:
+            arr = np.asarray(leaf)  # a view of an XLA array on CPU, dropped before the dense step donates it
+            if arr.shape != shape:
+                return leaf
+            out = np.zeros((b,) + shape[1:], arr.dtype)
+            out[:u] = arr[uniq]
+            return out
+
+        # The rule on the rows with the dense step's own jitted function (the same fused arithmetic
+        # as the dense step's, so the rows round as they would there).
+        p_rows, state_rows = self._step(take(param), jax.tree.map(take, state), grad)
+        zero = self._zero_step
+        if donate and _donatable(param, state):
+            zero = self._zero_plan(param, state) or self._zero_step_donating
+        new_param, new_state = zero(param, state, np.zeros((), param.dtype))
+        new_param, new_state = self._put_rows(new_param, new_state, uniq_p, p_rows, state_rows)
         return np.asarray(new_param), new_param, new_state
 
     def apply_sparse(
