@@ -28,7 +28,9 @@ jaxdist's ``jaxdist.MinSizePartitioner``); ``fit`` with a per-worker dataset
 compilation), the second is timed, from ``on_epoch_begin`` to
 ``on_epoch_end`` (jaxdist's includes its epoch-end pull of the whole model to
 the coordinator, which TF does not do: the comparison is conservative for
-jaxdist). ``examples/s = steps x batch / seconds`` (``steps_per_epoch`` counts
+jaxdist; ``--no-epoch-sync`` turns that pull off with
+``jaxdist.keras.epoch_end_sync(model, False)``: fit then pulls once, after
+the timed epoch). ``examples/s = steps x batch / seconds`` (``steps_per_epoch`` counts
 the steps of all workers together, on both sides).
 
 Contenders (``--configs``): ``adam`` (Keras ``Adam(1e-3)``; jaxdist's exact
@@ -95,7 +97,7 @@ runs jaxdist only.
 
 Usage: python bench/recsys.py [--rounds 3] [--largest 10000000] [--configs adam,adam_lazy,sgd,adagrad]
        [--batch 512] [--steps 64] [--spe 8] [--tf-python PATH] [--system both|jaxdist|tf] [--out FILE]
-       [--jax-cache DIR] [--prewarm adam,adam_lazy] [--links 1gbit]
+       [--jax-cache DIR] [--prewarm adam,adam_lazy] [--links 1gbit] [--no-epoch-sync]
        [--configs ...,dynamic_sgd,dynamic_adagrad,dynamic_adam_lazy] [--dynamic-min-rows 10000] [--min-count 1]
 """
 
@@ -288,6 +290,8 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
                           steps_per_execution=args.spe)
         if config.endswith("adam_lazy"):
             jaxdist.keras.lazy_embeddings(model)
+        if args.no_epoch_sync:  # fit pulls the model to the coordinator once, when it ends (not in the timed epoch)
+            jaxdist.keras.epoch_end_sync(model, False)
         # The Keras weights: the dense layers and the static tables (a DynamicEmbedding has none: its rows are on
         # the PS only, and fit's epoch-end pull does not read them).
         model_bytes = sum(int(np.prod(w.shape)) * np.dtype(w.dtype).itemsize for w in model.weights)
@@ -331,8 +335,11 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
     return dict(examples_per_s=round(examples / (t1 - t0), 1), seconds=round(t1 - t0, 3),
                 epoch_end_sync_s=round(sync_s, 3),
                 # null when the pull timed on its own took longer than the whole epoch did (a loaded machine)
-                steps_examples_per_s=round(examples / (t1 - t0 - sync_s), 1) if t1 - t0 > sync_s else None,
-                loss=clock.loss, bytes_pulled_per_step=int((pull1 - pull0 - model_bytes) / args.steps),
+                # (--no-epoch-sync: the timed epoch has no such pull; the steps are the epoch)
+                steps_examples_per_s=(round(examples / (t1 - t0), 1) if args.no_epoch_sync else
+                                      round(examples / (t1 - t0 - sync_s), 1) if t1 - t0 > sync_s else None),
+                loss=clock.loss, epoch_sync=not args.no_epoch_sync,
+                bytes_pulled_per_step=int((pull1 - pull0 - (0 if args.no_epoch_sync else model_bytes)) / args.steps),
                 bytes_pushed_per_step=int((push1 - push0) / args.steps), distinct_ids_per_step=round(distinct, 1),
                 row_bytes=args.dim * 4, distinct_row_bytes_per_step=int(distinct * args.dim * 4),
                 model_bytes=model_bytes, dense_param_bytes=model_bytes - static_rows * args.dim * 4,
@@ -496,7 +503,7 @@ def _one_argv(args: argparse.Namespace) -> list[str]:
     return ["--largest", str(args.largest), "--dim", str(args.dim), "--batch", str(args.batch), "--batches",
             str(args.batches), "--steps", str(args.steps), "--spe", str(args.spe), "--workers", str(args.workers),
             "--ps", str(args.ps), "--zipf", str(args.zipf), "--dynamic-min-rows", str(args.dynamic_min_rows),
-            "--min-count", str(args.min_count)]
+            "--min-count", str(args.min_count), *(["--no-epoch-sync"] if args.no_epoch_sync else [])]
 
 
 def spawn_on_links(lab: Any, logdir: str, port: int, python: str, system: str, config: str,
@@ -562,6 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-count", type=int, default=1,
                     help="the dynamic tables' admission: a key gets a row at its MIN_COUNT-th occurrence (default 1: "
                          "every key, as TF's buckets, so that the two models learn alike)")
+    ap.add_argument("--no-epoch-sync", action="store_true",
+                    help="jaxdist's fit without its epoch-end pull of the model (jaxdist.keras.epoch_end_sync(model, False))")
     ap.add_argument("--tf-python", default=None)
     ap.add_argument("--timeout", type=int, default=900, help="seconds per contender")
     ap.add_argument("--links", default=None, metavar="RATE",
@@ -625,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         systems=systems, tf_python=tf_python, largest=args.largest, tables=len(cards), total_rows=sum(cards),
         dim=args.dim, batch=args.batch, batches=args.batches, steps_per_epoch=args.steps, steps_per_execution=args.spe,
         workers=args.workers, ps=args.ps, zipf=args.zipf, cpus=os.cpu_count(), load_average=os.getloadavg()[0],
-        links=args.links, jax_cache=args.jax_cache, prewarm=args.prewarm, note=args.note,
+        links=args.links, epoch_sync=not args.no_epoch_sync, jax_cache=args.jax_cache, prewarm=args.prewarm, note=args.note,
         dynamic_min_rows=args.dynamic_min_rows, min_count=args.min_count,
         dynamic_tables=len(dynamic_indices(cards, args.dynamic_min_rows)))]
     print(json.dumps(lines[0]), flush=True)
@@ -660,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
             lab.close()
     rows = summarize(runs, configs, args.links)
     for row in rows:
-        row.update(links=args.links, largest=args.largest, batch=args.batch, workers=args.workers, ps=args.ps, rounds=args.rounds)
+        row.update(links=args.links, epoch_sync=not args.no_epoch_sync, largest=args.largest, batch=args.batch, workers=args.workers, ps=args.ps, rounds=args.rounds)
         print(json.dumps(row), flush=True)
     lines.extend(rows)
     if args.out:

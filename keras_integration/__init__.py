@@ -104,6 +104,7 @@ from jaxdist.keras.ps_custom_loop import install_ps_custom_loop_support  # noqa:
 from jaxdist.keras.ps_model import (  # noqa: E402
     PSDistribution,
     dynamic_tables,
+    epoch_end_sync,
     lazy_embeddings,
     ps_variables,
     sync_from_ps,
@@ -138,6 +139,7 @@ __all__ = [
     "UnsupportedOptimizerError",
     "distribution_for",
     "dynamic_tables",
+    "epoch_end_sync",
     "export_model",
     "install_data_placement",
     "keras_scope",

@@ -29,7 +29,9 @@ coordinator adds them up (each closure's result is kept once, whatever
 re-runs happen) and lets Keras compute ``result()`` from the sums. Batch-level
 logs show the closures finished so far; epoch logs cover every step.
 Callbacks see the PS's weights at epoch boundaries (``model`` is synced after
-every epoch); mid-epoch they see the weights of the last sync.
+every epoch); mid-epoch they see the weights of the last sync. With
+:func:`~jaxdist.keras.ps_model.epoch_end_sync` off, ``model`` is synced once,
+when ``fit`` ends, and callbacks that read the weights at epoch ends are refused.
 
 Each ``fit`` makes one per-worker training dataset (and one exactly-once
 validation dataset), each ``evaluate`` one exactly-once dataset: per-worker
@@ -56,9 +58,10 @@ from jaxdist.base.input_context import InputContext
 from jaxdist.keras import compat
 from jaxdist.keras.data import DatasetCreator, call_dataset_fn
 from jaxdist.keras.ps_embedding import dynamic_embeddings, renumber_dynamic_inputs
-from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of
+from jaxdist.keras.ps_model import PSModel, ps_model, ps_strategy_of, syncs_each_epoch
 from jaxdist.keras.ps_worker import EvalSteps, RepeatingDatasetFn, SkipBatches, TrainSteps
 from jaxdist.keras.ps_worker import predict as ps_predict
+from jaxdist.keras.tensorboard import TensorBoard
 
 logger = logging.getLogger(__name__)
 
@@ -181,6 +184,24 @@ def _refuse_keras_saves(callbacks: Any) -> None:
                 f"{type(cb).__name__} saves Keras weights, and this model's jaxdist.keras.layers.DynamicEmbedding "
                 "tables live on the parameter servers, not in them: back up with jaxdist.keras.BackupAndRestore (or "
                 "jaxdist.Checkpoint(strategy)), which save and restore the tables with the model's variables")
+
+
+def _refuse_epoch_end_readers(callbacks: Any) -> None:
+    """Before any step, under ``epoch_end_sync(model, False)``: the callbacks that read the coordinator's weights
+    at epoch ends would see the last pull's, silently."""
+    for cb in callbacks or ():
+        why = None
+        if isinstance(cb, keras.callbacks.ModelCheckpoint):
+            why = "saves the weights at epoch ends"
+        elif isinstance(cb, keras.callbacks.EarlyStopping) and getattr(cb, "restore_best_weights", False):
+            why = "keeps the best epoch's weights (restore_best_weights=True)"
+        elif getattr(cb, "histogram_freq", 0) and isinstance(cb, (keras.callbacks.TensorBoard, TensorBoard)):
+            why = "writes weight histograms at epoch ends (histogram_freq)"
+        if why is not None:
+            raise ConfigurationError(
+                f"{type(cb).__name__} {why}, and jaxdist.keras.epoch_end_sync(model, False) leaves the coordinator's "
+                "weights at the last pull until fit ends: keep the epoch-end pull (epoch_end_sync(model, True)), or "
+                "back up with jaxdist.keras.BackupAndRestore, which reads the parameter servers")
 
 
 def _is_arrays(x: Any) -> bool:
@@ -362,6 +383,9 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     _refuse("class_weight", class_weight, None, "weight the samples (sample_weight)")
     _refuse("validation_split", validation_split, 0.0, "pass validation_data")
     _refuse_coordinator_only_restores(callbacks)
+    epoch_sync = syncs_each_epoch(model)
+    if not epoch_sync:
+        _refuse_epoch_end_readers(callbacks)
     strategy = ps_strategy_of(model)
     coord = _coordinator(strategy)
     if first_batch is None:
@@ -416,7 +440,8 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         coord.join()
         inflight.drain()
         pm.check_learning_rate()
-        pm.sync()
+        if epoch_sync:
+            pm.sync()
         epoch_logs = metrics.logs()
         if val_it is not None and compat.should_eval(model, epoch, validation_freq):
             val = _run_evaluation(model, coord, pm, val_it, val_batches, 0, None)
@@ -426,6 +451,8 @@ def fit(model: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         step = 0
         if model.stop_training:
             break
+    if not epoch_sync and training_logs is not None:
+        pm.sync()  # the trained weights, once (epoch_end_sync(model, False))
     cbs.on_train_end(logs=training_logs)
     return model.history
 

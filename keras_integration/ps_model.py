@@ -43,7 +43,7 @@ from jaxdist.variables import pull
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PSDistribution", "PSModel", "dynamic_tables", "lazy_embeddings", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
+__all__ = ["PSDistribution", "PSModel", "dynamic_tables", "epoch_end_sync", "lazy_embeddings", "syncs_each_epoch", "ps_model", "ps_model_with_optimizer", "ps_optimizers", "ps_strategy_of", "ps_variables",
            "sync_from_ps"]
 
 _lock = threading.Lock()
@@ -55,6 +55,8 @@ _models: weakref.WeakKeyDictionary[Any, PSModel] = weakref.WeakKeyDictionary()
 _optimizers: weakref.WeakKeyDictionary[Any, PSDistribution] = weakref.WeakKeyDictionary()
 #: Models whose embedding tables apply row gradients lazily (:func:`lazy_embeddings`).
 _lazy: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+#: Models whose ``fit`` copies the PS's weights to the coordinator only when it ends (:func:`epoch_end_sync`).
+_no_epoch_sync: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 class PSDistribution(Distribution):
@@ -335,6 +337,45 @@ def sync_from_ps(model: Any) -> bool:
         return False
     got.sync()
     return True
+
+
+def epoch_end_sync(model: Any, sync: bool = True) -> Any:
+    """Choose whether ``fit`` copies the PS's weights into ``model``'s Keras variables at every epoch end; returns
+    ``model``.
+
+    Under ``ParameterServerStrategy`` the model's state lives on the PS tasks. By default (``sync=True``) ``fit``
+    pulls the whole model to the coordinator after every epoch, before ``on_epoch_end``, so that callbacks see
+    the epoch's weights (Keras's contract). That pull is the whole model every epoch: for a recommender model
+    with large embedding tables it is the model's size over the coordinator's link (830 MB, 6.9 s per epoch over
+    a 1 Gbit/s link in ``bench/recsys.py``), and TF's ``fit`` under its ``ParameterServerStrategy`` takes no
+    such step (its model's variables are read from the PS when used).
+
+    ``sync=False``: ``fit`` pulls once, when it ends (before ``on_train_end``: the model then holds the trained
+    weights, as after any ``fit``); at epoch ends the Keras variables keep the values of the last pull. ``fit``
+    then refuses, before any step, the callbacks that read the weights at epoch ends (``ModelCheckpoint``,
+    ``EarlyStopping(restore_best_weights=True)``, ``TensorBoard(histogram_freq=N)``, Keras's or jaxdist's);
+    a callback of your own that reads them can call :func:`sync_from_ps` itself. ``evaluate``, validation,
+    ``predict`` and :class:`jaxdist.keras.BackupAndRestore` read the PS and are unaffected. It may be changed
+    between ``fit`` calls, and needs only the model built in the strategy's scope.
+
+    Raises:
+        ConfigurationError: ``model`` was not built in a ParameterServerStrategy's scope.
+    """
+    if ps_strategy_of(model) is None:
+        raise ConfigurationError("epoch_end_sync: the model was not built in a ParameterServerStrategy's scope "
+                                 "(only a parameter-server model's weights live off the coordinator)")
+    with _lock:
+        if sync:
+            _no_epoch_sync.pop(model, None)
+        else:
+            _no_epoch_sync[model] = True
+    return model
+
+
+def syncs_each_epoch(model: Any) -> bool:
+    """Whether ``fit`` pulls ``model``'s weights at every epoch end (:func:`epoch_end_sync`; the default)."""
+    with _lock:
+        return model not in _no_epoch_sync
 
 
 def lazy_embeddings(model: Any, lazy: bool = True) -> Any:
