@@ -140,12 +140,13 @@ MIN_ROW_BUCKET = 256
 
 
 #: A :func:`row_separable` rule's row pushes take the three-step path for variables of at least this
-#: many elements; smaller ones keep the one-step path (same results for the rules ``to_optax`` makes):
-#: the three steps' fixed cost (three dispatches, the ids sorted on the host: a few tenths of a ms, seen
-#: once on a loaded machine at 20K x 16) is more than the memory traffic they save on a small table
-#: (three table-sized passes: ~12 MB at 1M float32 elements, a millisecond or two at memory speed).
-#: An estimate from those figures, not a measured crossover (bench/exact_rows.py --rows measures it).
-SEPARABLE_MIN_SIZE = 1 << 20
+#: many elements (8M: 512K rows of 16 float32); smaller ones keep the one-step path (same results for the
+#: rules ``to_optax`` makes). Measured (bench/exact_rows.py, Keras's Adam, 4,096 distinct ids, dim 16,
+#: medians of 15 pushes, 2-core host, quiet): one step / three steps 2.15 / 4.21 ms at 64K rows, 7.74 /
+#: 10.05 at 256K, 12.5 / 13.4 at 384K, 26.9 / 17.9 at 512K, 44.4 / 31.5 at 1M, 203 / 137 at 5M: below
+#: ~6M elements the three steps' fixed cost (three dispatches, the ids sorted on the host) is more than
+#: the memory traffic they save, while the table still sits in the caches.
+SEPARABLE_MIN_SIZE = 1 << 23
 
 
 def _bucket(n: int) -> int:
