@@ -359,8 +359,11 @@ def epoch_end_sync(model: Any, sync: bool = True) -> Any:
     between ``fit`` calls, and needs only the model built in the strategy's scope.
 
     Raises:
+        TypeError: ``sync`` is not a bool.
         ConfigurationError: ``model`` was not built in a ParameterServerStrategy's scope.
     """
+    if not isinstance(sync, bool):
+        raise TypeError(f"epoch_end_sync: sync must be True or False, got {sync!r}")
     if ps_strategy_of(model) is None:
         raise ConfigurationError("epoch_end_sync: the model was not built in a ParameterServerStrategy's scope "
                                  "(only a parameter-server model's weights live off the coordinator)")

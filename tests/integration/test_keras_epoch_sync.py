@@ -22,6 +22,7 @@ import jaxdist  # noqa: E402
 import jaxdist.keras  # noqa: E402  (before keras: selects the JAX backend)
 import keras  # noqa: E402
 from jaxdist.base.errors import ConfigurationError  # noqa: E402
+from jaxdist.keras.ps_model import syncs_each_epoch  # noqa: E402
 from jaxdist.testing import InProcessCluster  # noqa: E402
 
 pytestmark = [
@@ -80,7 +81,10 @@ def test_epoch_end_sync_off_pulls_once_at_the_end_and_refuses_weight_readers(tmp
         try:
             with strategy.scope():
                 model = _model()
-            assert jaxdist.keras.epoch_end_sync(model, False) is model
+            with pytest.raises(TypeError, match="True or False"):
+                jaxdist.keras.epoch_end_sync(model, "no")  # type: ignore[arg-type]
+            assert syncs_each_epoch(model)  # the default, and unchanged by the refused call
+            assert jaxdist.keras.epoch_end_sync(model, False) is model and not syncs_each_epoch(model)
             initial = model.get_weights()
             seen = _SeenAtEpochEnd()
             model.fit(data, epochs=2, steps_per_epoch=4, verbose=0, callbacks=[seen])
@@ -109,6 +113,7 @@ def test_epoch_end_sync_off_pulls_once_at_the_end_and_refuses_weight_readers(tmp
 
             # On again: each epoch end sees that epoch's weights; the last one is what fit leaves.
             jaxdist.keras.epoch_end_sync(model, True)
+            assert syncs_each_epoch(model)
             seen = _SeenAtEpochEnd()
             model.fit(data, epochs=2, steps_per_epoch=4, verbose=0, callbacks=[seen])
             assert not _same(seen.seen[0], after_three) and not _same(seen.seen[0], seen.seen[1])
