@@ -351,7 +351,8 @@ def epoch_end_sync(model: Any, sync: bool = True) -> Any:
     such step (its model's variables are read from the PS when used).
 
     ``sync=False``: ``fit`` pulls once, when it ends (before ``on_train_end``: the model then holds the trained
-    weights, as after any ``fit``); at epoch ends the Keras variables keep the values of the last pull. ``fit``
+    weights, as after any ``fit``; a ``fit`` that raises part way leaves them at the last pull, and
+    :func:`sync_from_ps` reads the PS's); at epoch ends the Keras variables keep the values of the last pull. ``fit``
     then refuses, before any step, the callbacks that read the weights at epoch ends (``ModelCheckpoint``,
     ``EarlyStopping(restore_best_weights=True)``, ``TensorBoard(histogram_freq=N)``, Keras's or jaxdist's);
     a callback of your own that reads them can call :func:`sync_from_ps` itself. ``evaluate``, validation,
