@@ -3,7 +3,11 @@ runs as a script from this folder, which is then the first entry of ``sys.path``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+#: Examples per batch of :func:`small_classification`'s data in the in-process Keras checks.
+SMALL_BATCH = 16
 
 
 def import_jaxdist_keras() -> None:
@@ -36,3 +40,36 @@ def guide_images(global_batch: int) -> tuple[list[Any], list[Any]]:
     train = [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(0, 96, global_batch)]
     test = [(x[i : i + global_batch], y[i : i + global_batch]) for i in range(96, 160, global_batch)]
     return train, test
+
+
+def small_classification(seed: int) -> tuple[Any, Any]:
+    """64 rows of 6 float32 features and int32 labels in ``range(3)``, the argmax of a random linear map of the
+    features (no noise): the in-process Keras checks' data. Same seed, same arrays."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(64, 6)).astype(np.float32)
+    y = (x @ rng.normal(size=(6, 3))).argmax(axis=1).astype(np.int32)
+    return x, y
+
+
+def small_mlp(metrics: Sequence[str] = ()) -> Any:
+    """The in-process Keras checks' model for :func:`small_classification`: Dense(8, relu) -> Dense(3) logits,
+    ``SGD(0.1)``, sparse categorical cross-entropy, compiled with ``metrics`` (none: no ``metrics`` argument)."""
+    import keras
+
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    extra = {"metrics": list(metrics)} if metrics else {}
+    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True), **extra)
+    return model
+
+
+class BatchList:
+    """A per-worker dataset function: ``(x, y)`` cut into batches of ``batch`` rows, in order, on every worker
+    (module level, so that it pickles to the worker)."""
+
+    def __init__(self, x: Any, y: Any, batch: int = SMALL_BATCH) -> None:
+        self.items = [(x[i:i + batch], y[i:i + batch]) for i in range(0, len(x), batch)]
+
+    def __call__(self, input_context: Any) -> Any:
+        return self.items

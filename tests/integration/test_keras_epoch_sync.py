@@ -24,36 +24,12 @@ import keras  # noqa: E402
 from jaxdist.base.errors import ConfigurationError  # noqa: E402
 from jaxdist.keras.ps_model import syncs_each_epoch  # noqa: E402
 from jaxdist.testing import InProcessCluster  # noqa: E402
+from keras_util import SMALL_BATCH, BatchList, small_classification, small_mlp  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
 ]
-
-BATCH = 16
-
-
-def _data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(5)
-    x = rng.normal(size=(64, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 3))).argmax(axis=1).astype(np.int32)
-    return x, y
-
-
-def _model() -> Any:
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
-
-
-class _Batches:
-    """The per-worker dataset: the batches in order (module level: it pickles to the worker)."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.items = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
-
-    def __call__(self, input_context: Any) -> Any:
-        return self.items
 
 
 class _SeenAtEpochEnd(keras.callbacks.Callback):
@@ -72,15 +48,15 @@ def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
 
 
 def test_epoch_end_sync_off_pulls_once_at_the_end_and_refuses_weight_readers(tmp_path: Path) -> None:
-    x, y = _data()
-    data = jaxdist.keras.DatasetCreator(_Batches(x, y))
+    x, y = small_classification(seed=5)
+    data = jaxdist.keras.DatasetCreator(BatchList(x, y))
     with pytest.raises(ConfigurationError, match="ParameterServerStrategy's scope"):
-        jaxdist.keras.epoch_end_sync(_model(), False)
+        jaxdist.keras.epoch_end_sync(small_mlp(), False)
     with InProcessCluster(num_workers=1, num_ps=1) as cluster:
         strategy = jaxdist.ParameterServerStrategy(cluster.cluster_resolver())
         try:
             with strategy.scope():
-                model = _model()
+                model = small_mlp()
             with pytest.raises(TypeError, match="True or False"):
                 jaxdist.keras.epoch_end_sync(model, "no")  # type: ignore[arg-type]
             assert syncs_each_epoch(model)  # the default, and unchanged by the refused call
@@ -126,8 +102,8 @@ def test_epoch_end_sync_off_pulls_once_at_the_end_and_refuses_weight_readers(tmp
             strategy.close()
 
     # The trained weights are Keras's own: the same fit steps from the same initial weights, in one process.
-    ref = _model()
+    ref = small_mlp()
     ref.set_weights(initial)
-    ref.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=SMALL_BATCH, epochs=2, shuffle=False, verbose=0)
     for got, want in zip(trained, ref.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -31,6 +31,7 @@ import jaxdist.keras  # noqa: E402  (before keras: selects the JAX backend)
 import keras  # noqa: E402
 from jaxdist.keras import compat  # noqa: E402
 from jaxdist.testing import InProcessCluster  # noqa: E402
+from keras_util import SMALL_BATCH, BatchList, small_classification, small_mlp  # noqa: E402
 
 pytestmark = [
     pytest.mark.timeout(240),
@@ -39,21 +40,15 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:__array__ implementation doesn't accept a copy keyword:DeprecationWarning"),
 ]
 
-BATCH = 16
+BATCH = SMALL_BATCH
 
 
 def _data() -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(3)
-    x = rng.normal(size=(64, 6)).astype(np.float32)
-    y = (x @ rng.normal(size=(6, 3))).argmax(axis=1).astype(np.int32)
-    return x, y
+    return small_classification(seed=3)
 
 
 def _model() -> Any:
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
-    model.compile(keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    return model
+    return small_mlp(metrics=["accuracy"])
 
 
 def _reference(initial: list[np.ndarray], x: np.ndarray, y: np.ndarray, epochs: int) -> tuple[Any, Any]:
@@ -61,16 +56,6 @@ def _reference(initial: list[np.ndarray], x: np.ndarray, y: np.ndarray, epochs: 
     ref.set_weights(initial)
     hist = ref.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
     return ref, hist
-
-
-class _Batches:
-    """The per-worker dataset: the batches in order (module level: it pickles to the worker)."""
-
-    def __init__(self, x: np.ndarray, y: np.ndarray) -> None:
-        self.items = [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, len(x), BATCH)]
-
-    def __call__(self, input_context: Any) -> Any:
-        return self.items
 
 
 def _served(artifact: Path, x: np.ndarray) -> np.ndarray:
@@ -93,7 +78,7 @@ def test_fit_evaluate_predict_export_on_parameter_servers_match_keras(tmp_path: 
             with strategy.scope():
                 model = _model()
             initial = model.get_weights()
-            hist = model.fit(jaxdist.keras.DatasetCreator(_Batches(x, y)), epochs=2, steps_per_epoch=4, verbose=0)
+            hist = model.fit(jaxdist.keras.DatasetCreator(BatchList(x, y)), epochs=2, steps_per_epoch=4, verbose=0)
             got = model.get_weights()
             evaluated = model.evaluate(x, y, batch_size=BATCH, return_dict=True, verbose=0)
             predicted = model.predict(x, batch_size=BATCH, verbose=0)
