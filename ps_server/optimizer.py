@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -149,6 +151,26 @@ MIN_ROW_BUCKET = 256
 SEPARABLE_MIN_SIZE = 1 << 23
 
 
+#: At most this many exact row pushes of one variable are applied in one pass over it
+#: (:meth:`Optimizer.apply_rows_many`): one compilation of the zero passes per count up to it, per
+#: layout; the unrolled steps' arithmetic stays below the pass's memory time (measured on a 5M x 16
+#: Keras Adam shard, 2 cores: one pass of 8 steps cost about what one pass of one step did).
+MAX_PUSHES_PER_PASS = 8
+
+
+def _reads_first_argument(fn: Callable[..., Any], *avals: Any) -> bool:
+    """Whether ``fn``'s outputs may depend on its first argument's leaves (conservative: an operation
+    with any needed output counts as reading all its inputs, nested programs included)."""
+    closed = jax.make_jaxpr(fn)(*avals)
+    jaxpr = closed.jaxpr
+    first = jaxpr.invars[: len(jax.tree.leaves(avals[0]))]
+    needed = {v for v in jaxpr.outvars if isinstance(v, jax_core.Var)}
+    for eqn in reversed(jaxpr.eqns):
+        if any(isinstance(o, jax_core.Var) and o in needed for o in eqn.outvars):
+            needed.update(v for v in eqn.invars if isinstance(v, jax_core.Var))
+    return any(v in needed for v in first)
+
+
 def _bucket(n: int) -> int:
     """Row counts are padded to powers of two (at least :data:`MIN_ROW_BUCKET`) so sparse updates compile O(log n) times."""
     return max(MIN_ROW_BUCKET, 1 << max(0, (n - 1).bit_length()))
@@ -211,13 +233,26 @@ class Optimizer:
         #: The exact mode's row pushes as three steps (:func:`row_separable` rules only).
         self.row_separable = is_row_separable(tx)
 
-        def zero_step(param: jax.Array, state: Any, zero: jax.Array) -> tuple[jax.Array, Any]:
-            # The dense rule with a zero gradient, broadcast from a scalar argument: XLA fuses the
-            # broadcast into the update's loops, so no table-sized gradient is written and read
+        def zero_steps(param: jax.Array, state: Any, zero: jax.Array, k: int) -> tuple[jax.Array, Any]:
+            # The dense rule with a zero gradient, k times, broadcast from a scalar argument: XLA fuses
+            # the broadcast into the update's loops, so no table-sized gradient is written and read
             # back. Not a constant: XLA would simplify the rule around a known zero (x - 0*c -> x,
             # (x*c1)*c2 -> x*(c1*c2)) and round some results differently from the dense step's.
-            updates, new_state = tx.update(jnp.broadcast_to(zero.astype(param.dtype), param.shape), state, param)
-            return optax.apply_updates(param, updates), new_state
+            grad = jnp.broadcast_to(zero.astype(param.dtype), param.shape)
+            for _ in range(k):
+                updates, state = tx.update(grad, state, param)
+                param = optax.apply_updates(param, updates)
+            return param, state
+
+        def zero_param(param: jax.Array, state: Any, zero: jax.Array, k: int) -> jax.Array:
+            # The parameter after k zero steps, alone: one loop over the table reading the old state
+            # (the intermediate moments live in registers), writing the parameter in place.
+            return zero_steps(param, state, zero, k)[0]
+
+        def zero_state(param: jax.Array, state: Any, zero: jax.Array, k: int) -> Any:
+            # The state after k zero steps, alone: each leaf's loop reads and writes that leaf only
+            # (the plan checks that the state never reads the parameter, so ``param`` is unused).
+            return zero_steps(param, state, zero, k)[1]
 
         def put_rows(param: jax.Array, state: Any, uniq: jax.Array, p_rows: jax.Array,
                      state_rows: Any) -> tuple[jax.Array, Any]:
@@ -229,11 +264,17 @@ class Optimizer:
 
             return param.at[uniq].set(p_rows, mode="drop"), jax.tree.map(put, state, state_rows)
 
-        self._zero_step = jax.jit(zero_step)
-        self._zero_step_donating = jax.jit(zero_step, donate_argnums=(0, 1))
-        #: Per variable layout: the zero step compiled with its buffers donated, or None where XLA's
-        #: program for it needs a table-sized temporary (then the one-step path runs; see _zero_plan).
-        self._zero_plans: dict[Any, Any] = {}
+        # Two programs per k, each a single in-place pass: XLA's program for the whole step (parameter
+        # and state together) copies a state leaf the parameter's loop still reads after the state's
+        # loop overwrote it in place (one table-sized temporary) for most rules, and for every rule
+        # once k > 1; split, the parameter's pass reads the old state, then the state's pass writes it.
+        self._zero_param = jax.jit(zero_param, static_argnames="k", donate_argnums=(0,))
+        self._zero_state = jax.jit(zero_state, static_argnames="k", donate_argnums=(1,))
+        self._zero_param_copy = jax.jit(zero_param, static_argnames="k")
+        self._zero_state_copy = jax.jit(zero_state, static_argnames="k")
+        self._zero_steps_fn = zero_steps
+        #: Per variable layout: whether the k-step zero passes run in place (see _zero_plan).
+        self._zero_plans: dict[Any, bool] = {}
         self._put_rows = jax.jit(put_rows, donate_argnums=(0, 1))
 
     def init(self, param: np.ndarray) -> Any:
@@ -270,14 +311,10 @@ class Optimizer:
         zeros elsewhere; only ``len(indices)`` rows enter XLA (padded to a
         power of two: O(log n) compilations per shape). ``donate``: as for :meth:`apply`.
         A :func:`row_separable` rule is computed in three steps with the same
-        values (see there) when the variable has at least ``separable_min_size``
-        elements and XLA compiles its zero-gradient step without a table-sized
-        temporary (:meth:`_zero_plan`); any other in one. The first push of a
-        variable layout on that path compiles the donating zero step (once).
+        values (see there) when :meth:`batches_rows` says so; any other in one.
         """
-        if (self.row_separable and int(np.prod(np.shape(param))) >= self.separable_min_size
-                and self._zero_plan(param, state) is not None):
-            return self._apply_rows_separable(param, state, indices, rows, donate)
+        if self.batches_rows(param, state):
+            return self._apply_rows_separable(param, state, [(indices, rows)], donate)
         n = len(indices)
         pad = _bucket(n) - n
         if pad:
@@ -287,18 +324,50 @@ class Optimizer:
         new_param, new_state = fn(param, state, indices, rows)
         return np.asarray(new_param), new_param, new_state
 
-    def _zero_plan(self, param: Any, state: Any) -> Any:
-        """The donating zero step for this variable's layout (compiled once per layout), or None when the
-        three-step path does not pay for it.
+    def batches_rows(self, param: Any, state: Any) -> bool:
+        """Whether this variable's exact row pushes take the three-step path, and so several of them
+        may be applied in one pass over the table (:meth:`apply_rows_many`): a :func:`row_separable`
+        rule, not lazy, a variable of at least ``separable_min_size`` elements, and zero passes that
+        run in place (:meth:`_zero_plan`). Depends on the layout only, never on a push."""
+        return (self.row_separable and not self.lazy and int(np.prod(np.shape(param))) >= self.separable_min_size
+                and self._zero_plan(param, state))
 
-        XLA may recompute a cheap state update (momentum's ``m * b``) inside the parameter's loop, which
-        then reads the old state after the state's own loop overwrote the donated buffer in place: XLA
-        copies that state leaf first, a table-sized temporary (seen for SGD with momentum, RMSprop,
-        Adagrad, Adamax, optax's Adam). Such a step moves as many bytes as the one-step path, which
-        writes and reads a table-sized gradient, so it is used only where it needs no temporary of a
-        table leaf's size (Keras's Adam, AdamW, Nadam: three loops, each buffer read and written once).
-        The choice depends on the layout only, never on the push, so a variable's pushes always take
-        the same path.
+    def apply_rows_many(
+        self, param: Any, state: Any, pushes: Sequence[tuple[np.ndarray, np.ndarray]], donate: bool = False
+    ) -> tuple[np.ndarray, jax.Array, Any]:
+        """Several exact row pushes, in order: the values :meth:`apply_rows` gives applying them one
+        after the other, bit for bit. ``pushes``: ``(indices, rows)`` pairs as for :meth:`apply_rows`.
+
+        Where :meth:`batches_rows` holds, the table is passed over once for up to
+        :data:`MAX_PUSHES_PER_PASS` pushes (the zero-gradient steps of all of them unrolled in one
+        loop, the pushed rows' steps on those rows alone): the O(table) memory traffic of one push
+        for all of them. Elsewhere the pushes are applied one by one.
+        """
+        if not pushes:
+            raise ValueError("apply_rows_many needs at least one push")
+        separable = self.batches_rows(param, state)
+        size = MAX_PUSHES_PER_PASS if separable else 1
+        out: tuple[np.ndarray, jax.Array, Any] | None = None
+        for i in range(0, len(pushes), size):
+            out = None  # XLA copies a donated buffer that a numpy view still points at
+            if separable:
+                out = self._apply_rows_separable(param, state, pushes[i:i + size], donate)
+            else:
+                out = self.apply_rows(param, state, pushes[i][0], pushes[i][1], donate)
+            param, state = out[1], out[2]
+        assert out is not None
+        return out
+
+    def _zero_plan(self, param: Any, state: Any) -> bool:
+        """Whether the zero-gradient passes of this variable's layout run in place (decided once per layout).
+
+        The parameter's pass (:func:`zero_param`) reads the old state and writes the parameter; the
+        state's pass (:func:`zero_state`) then writes the state. That is right only if the state's
+        new values never read the parameter (true of the element-wise rules' moments and
+        accumulators; checked on the rule's program, conservatively: any use counts), and pays only
+        if neither pass needs a temporary the size of a table leaf (checked on XLA's programs for one
+        step). The choice depends on the layout only, never on the push, so a variable's pushes always
+        take the same path.
         """
         aval = _aval(param)
         state_avals = jax.tree.map(_aval, state)
@@ -306,31 +375,44 @@ class Optimizer:
         with self._lock:
             if key in self._zero_plans:
                 return self._zero_plans[key]
-        compiled = self._zero_step_donating.lower(aval, state_avals, jax.ShapeDtypeStruct((), aval.dtype)).compile()
-        stats = compiled.memory_analysis()
+        zero = jax.ShapeDtypeStruct((), aval.dtype)
         leaf_bytes = int(np.prod(aval.shape)) * aval.dtype.itemsize
-        plan = compiled if stats is not None and stats.temp_size_in_bytes < leaf_bytes else None
-        logger.info("exact row pushes of a %s %s variable: %s (the zero-gradient step's temporaries: %s bytes)",
-                    aval.shape, aval.dtype, "three steps" if plan is not None else "one step",
-                    None if stats is None else stats.temp_size_in_bytes)
+        reads_param = _reads_first_argument(
+            lambda p, s, z: self._zero_steps_fn(p, s, z, 1)[1], aval, state_avals, zero)
+        temps = []
+        if not reads_param:
+            for fn in (self._zero_param, self._zero_state):
+                stats = fn.lower(aval, state_avals, zero, k=1).compile().memory_analysis()
+                temps.append(None if stats is None else stats.temp_size_in_bytes)
+        plan = not reads_param and all(t is not None and t < leaf_bytes for t in temps)
+        logger.info("exact row pushes of a %s %s variable: %s (the state reads the parameter: %s; the zero "
+                    "passes' temporaries: %s bytes)", aval.shape, aval.dtype, "three steps" if plan else "one step",
+                    reads_param, temps)
         with self._lock:
             return self._zero_plans.setdefault(key, plan)
 
     def _apply_rows_separable(
-        self, param: Any, state: Any, indices: np.ndarray, rows: np.ndarray, donate: bool
+        self, param: Any, state: Any, pushes: Sequence[tuple[np.ndarray, np.ndarray]], donate: bool
     ) -> tuple[np.ndarray, jax.Array, Any]:
-        """:meth:`apply_rows` for a :func:`row_separable` rule: the rule on the pushed rows (gathered),
-        the zero-gradient dense step (donated when allowed), then those rows written over its result."""
+        """:meth:`apply_rows_many` for a :func:`row_separable` rule, k = ``len(pushes)`` pushes: the rule on
+        the rows any of them names (gathered; k steps, each with its push's gradient, zero for the
+        others' rows), the k zero-gradient dense steps (the parameter's pass, then the state's; donated
+        when allowed), then those rows written over their result."""
         shape = param.shape
-        n = len(indices)
-        b = _bucket(n)
-        uniq, inverse = np.unique(indices, return_inverse=True)
+        k = len(pushes)
+        all_ids = np.concatenate([np.asarray(idx, np.int64) for idx, _ in pushes])
+        uniq = np.unique(all_ids)
         u = len(uniq)
-        # The pushed rows' gradient: duplicates summed in push order from +0.0 in the parameter's
-        # dtype, as the dense scatter-add sums them. Padding rows (zero gradient, zero parameter and
-        # state) are computed and never written back (their indices are past the table).
-        grad = np.zeros((b,) + shape[1:], param.dtype)
-        np.add.at(grad, inverse.reshape(-1), rows.astype(param.dtype, copy=False))
+        b = _bucket(u)
+        # Each push's gradient on the gathered rows: its duplicates summed in push order from +0.0 in
+        # the parameter's dtype, as the dense scatter-add sums them; zero on the other pushes' rows (the
+        # zero step's arithmetic, as on every row it did not name). Padding rows (zero gradient, zero
+        # parameter and state) are computed and never written back (their indices are past the table).
+        grads = []
+        for idx, rows in pushes:
+            g = np.zeros((b,) + shape[1:], param.dtype)
+            np.add.at(g, np.searchsorted(uniq, idx), rows.astype(param.dtype, copy=False))
+            grads.append(g)
         uniq_p = np.full(b, shape[0], np.int64)
         uniq_p[:u] = uniq
 
@@ -343,12 +425,16 @@ class Optimizer:
             return out
 
         # The rule on the rows with the dense step's own jitted function (the same fused arithmetic
-        # as the dense step's, so the rows round as they would there).
-        p_rows, state_rows = self._step(take(param), jax.tree.map(take, state), grad)
-        zero = self._zero_step
-        if donate and _donatable(param, state):
-            zero = self._zero_plan(param, state) or self._zero_step_donating
-        new_param, new_state = zero(param, state, np.zeros((), param.dtype))
+        # as the dense step's, so the rows round as they would there), one step per push.
+        p_rows, state_rows = take(param), jax.tree.map(take, state)
+        for g in grads:
+            p_rows, state_rows = self._step(p_rows, state_rows, g)
+        zero = np.zeros((), param.dtype)
+        in_place = donate and _donatable(param, state)
+        # The parameter's pass reads the old state; only then may the state's pass overwrite it
+        # (JAX orders a donation after the reads already dispatched).
+        new_param = (self._zero_param if in_place else self._zero_param_copy)(param, state, zero, k=k)
+        new_state = (self._zero_state if in_place else self._zero_state_copy)(new_param, state, zero, k=k)
         new_param, new_state = self._put_rows(new_param, new_state, uniq_p, p_rows, state_rows)
         return np.asarray(new_param), new_param, new_state
 

@@ -51,7 +51,7 @@ from jaxdist.base.errors import (
 )
 from jaxdist.proto.ps_wire import SPARSE_OPS, IfExists, Op, Update, transfer_dtype
 from jaxdist.ps_server.export_rows import ALL, ChangeTracker, CutParticipant, CutResult, RowChanges, bitmap_ids
-from jaxdist.ps_server.optimizer import Optimizer
+from jaxdist.ps_server.optimizer import MAX_PUSHES_PER_PASS, Optimizer
 
 __all__ = [
     "DEFAULT_MAX_VARIABLE_BYTES", "ExportPart", "IfExists", "NewVariable", "Op", "ReadResult", "Update", "VariableInfo",
@@ -152,6 +152,22 @@ class _Variable:
         return self.value
 
 
+@dataclass(eq=False)
+class _Push:
+    """One push on its way through :meth:`VariableStore._apply_locked`: validated entries, then its result."""
+
+    vars_: list[_Variable]
+    updates: list[Update]
+    prepared: list[np.ndarray | None]
+    unique: list[_Variable]
+    update_id: str
+    digest: str
+    #: Taken by a push that holds this one's variables' locks, to apply it with its own.
+    taken: bool = False
+    versions: list[int] | None = None
+    error: BaseException | None = None
+
+
 @dataclass
 class NewVariable:
     """A variable to create (:meth:`VariableStore.create_many`): from ``value``, or from
@@ -199,6 +215,11 @@ class VariableStore:
         self._lock = threading.Lock()  # guards _vars membership and the dedupe tables
         self._applied: OrderedDict[str, str] = OrderedDict()  # update id -> push_digest of what it named
         self._in_progress: dict[str, threading.Event] = {}
+        #: Pushes waiting for their variables' locks that the push holding them may apply with its own
+        #: (exact row pushes: one pass over a table for several; see _apply_locked).
+        self._waiting: list[_Push] = []
+        #: Pushes applied in a pass over a table shared with other pushes (a counter for tests and metrics).
+        self.shared_pass_pushes = 0
         self._dedupe_capacity = dedupe_capacity
         self.updates_applied = 0
         self.duplicates_dropped = 0
@@ -639,26 +660,148 @@ class VariableStore:
             vars_ = [self._get(u.name) for u in updates]
         prepared = [self._validate(v, u) for v, u in zip(vars_, updates)]
         unique = sorted({id(v): v for v in vars_}.values(), key=lambda v: v.name)
+        push = _Push(vars_, list(updates), prepared, unique, update_id, digest)
+        shares = any(self._shares_passes(v, u) for v, u in zip(vars_, updates))
+        if shares:
+            # Queued before taking the locks: the push holding them may apply this one with its own.
+            with self._lock:
+                self._waiting.append(push)
         with ExitStack() as stack:
             for v in unique:
                 stack.enter_context(v.lock)
-            versions = []
-            for var, upd, idx in zip(vars_, updates, prepared):
-                self._apply_one(var, upd, idx)
-                var.version += 1
-                versions.append(var.version)
+            if not shares:
+                return self._apply_held(push)
+            with self._lock:
+                group = [] if push.taken else self._take_group(push)
+            if group:
+                self._apply_group(group)
+        # Applied by this thread or, while it waited for the locks, by the push holding them.
+        if push.error is not None:
+            raise push.error
+        assert push.versions is not None
+        return push.versions
+
+    def _apply_held(self, push: _Push) -> list[int]:
+        """(With the push's variables' locks held.) Apply one push: each entry, replication, the record."""
+        versions = []
+        for var, upd, idx in zip(push.vars_, push.updates, push.prepared):
+            self._apply_one(var, upd, idx)
+            var.version += 1
+            versions.append(var.version)
+        try:
+            if self.replicate is not None:
+                self.replicate(push.updates, push.update_id)
+        finally:
+            # Recorded before the locks are released: a snapshot (checkpoint, backup
+            # sync) that contains this push's effect also contains its id. Recorded
+            # also when replication refused the push (this task stepped down, or
+            # became a backup meanwhile): the values here changed all the same, and
+            # the client's retry must find it applied if this task serves it again
+            # (the coordinator may keep it as the primary), not apply it twice.
+            self._record(push.unique, push.update_id, push.digest)
+        return versions
+
+    @property
+    def pushes_waiting(self) -> int:
+        """Exact row pushes queued for their variables' locks (the push holding them may apply them with its own)."""
+        with self._lock:
+            return len(self._waiting)
+
+    @staticmethod
+    def _shares_passes(var: _Variable, upd: Update) -> bool:
+        """Whether ``upd`` is an exact-mode row push into a variable whose row pushes may share one pass
+        over it with other pushes' (:meth:`Optimizer.apply_rows_many`). Depends on the layout only."""
+        opt = var.optimizer
+        return (upd.op is Op.SPARSE_APPLY_GRADIENT and opt is not None and not opt.lazy and opt.row_separable
+                and opt.batches_rows(jax.ShapeDtypeStruct(var.shape, var.dtype), var.opt_state))
+
+    def _take_group(self, leader: _Push) -> list[_Push]:
+        """(With ``_lock`` and the leader's variables' locks held.) The leader and the queued pushes it may
+        apply with its own (every variable they name among the leader's, so locked), in queue order,
+        at most ``MAX_PUSHES_PER_PASS``; taken off the queue."""
+        held = {id(v) for v in leader.unique}
+        group: list[_Push] = []
+        rest: list[_Push] = []
+        for p in self._waiting:
+            if (p is leader or len(group) < MAX_PUSHES_PER_PASS - 1) and all(id(v) in held for v in p.unique):
+                p.taken = True
+                group.append(p)
+            else:
+                rest.append(p)
+        self._waiting = rest
+        return group
+
+    def _apply_group(self, group: list[_Push]) -> None:
+        """(With every variable's lock of ``group`` held.) Apply the pushes as if one after the other in
+        ``group``'s order, each variable's run of consecutive exact row pushes in one pass over it; then
+        replicate and record each in that order. Each push gets its versions or its error."""
+        if len(group) == 1:
+            push = group[0]
+            try:
+                push.versions = self._apply_held(push)
+            except BaseException as e:  # handed to the push's own thread, which raises it
+                push.error = e
+            return
+        for push in group:
+            push.versions = [0] * len(push.updates)
+        entries: dict[int, list[tuple[_Push, int]]] = {}
+        order: dict[int, _Variable] = {}
+        for push in group:
+            for i, var in enumerate(push.vars_):
+                entries.setdefault(id(var), []).append((push, i))
+                order[id(var)] = var
+        try:
+            for key in sorted(order, key=lambda k: order[k].name):
+                var, seq = order[key], entries[key]
+                i = 0
+                while i < len(seq):
+                    j = i
+                    while j < len(seq) and self._shares_passes(var, seq[j][0].updates[seq[j][1]]):
+                        j += 1
+                    if j - i >= 2:
+                        run = seq[i:j]
+                        self._apply_rows_many(var, [(p.prepared[n], p.updates[n].value) for p, n in run])
+                        self.shared_pass_pushes += len(run)
+                    else:
+                        j = i + 1
+                        one, n = seq[i]
+                        self._apply_one(var, one.updates[n], one.prepared[n])
+                    for push, entry in seq[i:j]:
+                        var.version += 1
+                        assert push.versions is not None
+                        push.versions[entry] = var.version
+                    i = j
+        except BaseException as e:
+            # As for one push that fails half way: nothing recorded or replicated, every push told.
+            for push in group:
+                push.error = e
+            return
+        for push in group:
             try:
                 if self.replicate is not None:
-                    self.replicate(updates, update_id)
+                    self.replicate(push.updates, push.update_id)
+            except BaseException as e:
+                push.error = e
             finally:
-                # Recorded before the locks are released: a snapshot (checkpoint, backup
-                # sync) that contains this push's effect also contains its id. Recorded
-                # also when replication refused the push (this task stepped down, or
-                # became a backup meanwhile): the values here changed all the same, and
-                # the client's retry must find it applied if this task serves it again
-                # (the coordinator may keep it as the primary), not apply it twice.
-                self._record(unique, update_id, digest)
-        return versions
+                self._record(push.unique, push.update_id, push.digest)
+
+    def _apply_rows_many(self, var: _Variable, pushes: list[tuple[np.ndarray | None, np.ndarray]]) -> None:
+        """(With ``var``'s lock held.) Several exact-mode row pushes into ``var`` in one pass (see
+        :meth:`Optimizer.apply_rows_many`), in place where :meth:`_apply_one`'s dense steps would be."""
+        assert var.optimizer is not None and var.changes is not None
+        var.changes.mark_all()  # the dense rule may move any row
+        donate = var.device_value is not None and not var.readers
+        start = var.device_value if var.device_value is not None else var.value
+        if donate:
+            var.value, var.device_value = _NO_VALUE, None  # see _apply_one
+        try:
+            var.value, var.device_value, var.opt_state = var.optimizer.apply_rows_many(
+                start, var.opt_state, [(idx, rows) for idx, rows in pushes if idx is not None], donate=donate)
+        except BaseException:
+            device: Any = start
+            if var.value is _NO_VALUE and not device.is_deleted():
+                var.value, var.device_value = np.asarray(device), device
+            raise
 
     def _record(self, touched: Sequence[_Variable], update_id: str, digest: str) -> None:
         """Count a push whose values changed ``touched`` and put its id in the dedupe table,
