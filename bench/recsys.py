@@ -299,14 +299,15 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
         def dynamic_stats() -> dict[str, dict[str, int]]:
             return {name: t.stats() for name, t in jaxdist.keras.dynamic_tables(model).items()} if dynamic else {}
 
-        def moved() -> tuple[int, int, dict[str, dict[str, int]]]:
+        def moved() -> tuple[int, int, dict[str, dict[str, int]], tuple[float, float]]:
             c = [cl.status().counters for cl in strategy.connections.clients]
-            return sum(x["bytes_pulled"] for x in c), sum(x["bytes_pushed"] for x in c), dynamic_stats()
+            return (sum(x["bytes_pulled"] for x in c), sum(x["bytes_pushed"] for x in c), dynamic_stats(),
+                    (sum(x["updates_applied"] for x in c), sum(x.get("shared_pass_pushes", 0.0) for x in c)))
 
         marks: list[tuple[float, Any]] = []
         clock = _clock(keras, marks, moved)
         model.fit(jaxdist.keras.DatasetCreator(data), epochs=2, steps_per_epoch=args.steps, verbose=0, callbacks=[clock])
-        (t0, (pull0, push0, dyn0)), (t1, (pull1, push1, dyn1)) = marks
+        (t0, (pull0, push0, dyn0, (applied0, shared0))), (t1, (pull1, push1, dyn1, (applied1, shared1))) = marks
         # The timed epoch ends with fit's pull of the whole model to the coordinator's Keras variables (TF's fit
         # has no such step). Timed once more on its own, so that the steady state of the steps can be shown too.
         s0 = time.perf_counter()
@@ -339,6 +340,8 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
                 steps_examples_per_s=(round(examples / (t1 - t0), 1) if args.no_epoch_sync else
                                       round(examples / (t1 - t0 - sync_s), 1) if t1 - t0 > sync_s else None),
                 loss=clock.loss, epoch_sync=not args.no_epoch_sync,
+                # of the pushes the PS tasks applied in the timed epoch, those that shared a pass over a table with another
+                shared_pass_fraction=round((shared1 - shared0) / max(1.0, applied1 - applied0), 3),
                 bytes_pulled_per_step=int((pull1 - pull0 - (0 if args.no_epoch_sync else model_bytes)) / args.steps),
                 bytes_pushed_per_step=int((push1 - push0) / args.steps), distinct_ids_per_step=round(distinct, 1),
                 row_bytes=args.dim * 4, distinct_row_bytes_per_step=int(distinct * args.dim * 4),

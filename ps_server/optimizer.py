@@ -18,9 +18,11 @@ are applied in one of two modes, chosen per optimizer:
   per push, the wire's O(rows) (TF's ``ParameterServerStrategy`` does the same).
   For a rule marked :func:`row_separable` (every Keras rule
   :func:`jaxdist.keras.ps_optimizers.to_optax` makes) on a large variable the
-  same values may be computed with less memory traffic: the pushed rows'
-  update on those rows alone, the dense rule with a zero gradient (no
-  table-sized gradient buffer), the rows written over it (see :meth:`Optimizer.apply_rows`).
+  same values are computed with less memory traffic: the pushed rows' update
+  on those rows alone, the dense rule with a zero gradient as two in-place
+  passes (no table-sized gradient buffer), the rows written over it; and
+  several pushes queued for the variable share one pass (see
+  :meth:`Optimizer.apply_rows_many`).
 - *lazy* (:func:`lazy_rows`, TF's ``LazyAdam``): only the rows named by the
   indices change, in the parameter and in every optimizer-state leaf shaped
   like the parameter; state leaves of other shapes (step counts) advance once
@@ -107,13 +109,15 @@ def row_separable(tx: optax.GradientTransformation) -> optax.GradientTransformat
     For a marked transformation the exact mode (the default, without
     :func:`lazy_rows`) may compute a row push as the rule on the pushed rows
     alone (their duplicate indices summed first), the dense rule with a zero
-    gradient (no table-sized gradient is written and read back), and the
-    pushed rows written over its result: the values are the unmarked
-    transformation's (the dense rule on the gradient with the rows scattered
-    into zeros), with about a quarter less memory traffic per push for Adam.
-    The PS does so for variables of at least ``SEPARABLE_MIN_SIZE`` elements
-    where XLA compiles the zero-gradient step without a table-sized temporary
-    (Keras's Adam, AdamW, Nadam), else it runs the unmarked path. Marking a
+    gradient (no table-sized gradient is written and read back; the
+    parameter's pass first, reading the old state, then the state's), and the
+    pushed rows written over its result; several pushes queued for one
+    variable share one such pass. The values are the unmarked transformation's
+    (the dense rule on the gradient with the rows scattered into zeros, push
+    after push). The PS does so for variables of at least ``SEPARABLE_MIN_SIZE``
+    elements whose state's zero-gradient update never reads the parameter and
+    whose passes XLA compiles without a table-sized temporary (every Keras rule
+    but centered RMSprop and Ftrl), else it runs the unmarked path. Marking a
     rule that is not row-separable gives wrong results for the pushed rows.
     Dense gradients and the lazy mode are unaffected; a :func:`lazy_rows`
     transformation is returned as it is (its pushes touch the pushed rows only).

@@ -345,6 +345,7 @@ class ParameterServerServicer:
         counters = self.counters.snapshot()
         counters["variables"] = float(len(self.store.info()))
         counters["updates_applied"] = float(self.store.updates_applied)
+        counters["shared_pass_pushes"] = float(self.store.shared_pass_pushes)
         r = self.replication
         counters["replica_role"] = ROLE_CODES[r.role]
         counters["replica_epoch"] = float(r.epoch)

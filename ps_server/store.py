@@ -218,7 +218,8 @@ class VariableStore:
         #: Pushes waiting for their variables' locks that the push holding them may apply with its own
         #: (exact row pushes: one pass over a table for several; see _apply_locked).
         self._waiting: list[_Push] = []
-        #: Pushes applied in a pass over a table shared with other pushes (a counter for tests and metrics).
+        #: Pushes applied in a pass over a table shared with other pushes (each counted once, whatever the
+        #: number of its tables that shared one; a counter for tests and metrics).
         self.shared_pass_pushes = 0
         self._dedupe_capacity = dedupe_capacity
         self.updates_applied = 0
@@ -750,6 +751,7 @@ class VariableStore:
             for i, var in enumerate(push.vars_):
                 entries.setdefault(id(var), []).append((push, i))
                 order[id(var)] = var
+        shared: set[int] = set()
         try:
             for key in sorted(order, key=lambda k: order[k].name):
                 var, seq = order[key], entries[key]
@@ -761,7 +763,7 @@ class VariableStore:
                     if j - i >= 2:
                         run = seq[i:j]
                         self._apply_rows_many(var, [(p.prepared[n], p.updates[n].value) for p, n in run])
-                        self.shared_pass_pushes += len(run)
+                        shared.update(id(p) for p, _ in run)
                     else:
                         j = i + 1
                         one, n = seq[i]
@@ -776,6 +778,7 @@ class VariableStore:
             for push in group:
                 push.error = e
             return
+        self.shared_pass_pushes += len(shared)
         for push in group:
             try:
                 if self.replicate is not None:
