@@ -340,8 +340,9 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
                 steps_examples_per_s=(round(examples / (t1 - t0), 1) if args.no_epoch_sync else
                                       round(examples / (t1 - t0 - sync_s), 1) if t1 - t0 > sync_s else None),
                 loss=clock.loss, epoch_sync=not args.no_epoch_sync,
-                # of the pushes the PS tasks applied in the timed epoch, those that shared a pass over a table with another
-                shared_pass_fraction=round((shared1 - shared0) / max(1.0, applied1 - applied0), 3),
+                # per push the PS tasks applied in the timed epoch, its row pushes into tables (one per table of
+                # 8M elements or more) applied in a pass over the table shared with other pushes (deferred)
+                shared_pass_row_pushes_per_push=round((shared1 - shared0) / max(1.0, applied1 - applied0), 3),
                 bytes_pulled_per_step=int((pull1 - pull0 - (0 if args.no_epoch_sync else model_bytes)) / args.steps),
                 bytes_pushed_per_step=int((push1 - push0) / args.steps), distinct_ids_per_step=round(distinct, 1),
                 row_bytes=args.dim * 4, distinct_row_bytes_per_step=int(distinct * args.dim * 4),

@@ -362,6 +362,38 @@ class Optimizer:
         assert out is not None
         return out
 
+    def rows_after(self, param: Any, state: Any, indices: np.ndarray,
+                   pushes: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """Rows ``indices`` of the parameter after the exact row ``pushes`` (not yet applied to ``param``
+        and ``state``), without changing either: bit for bit what :meth:`apply_rows_many` would give
+        those rows (the same per-push gradients on the gathered rows, the same jitted step, push after
+        push). ``indices``: int64, rank 1, repeats allowed; returns a new array, one row per index."""
+        shape = np.shape(param)
+        dtype = np.dtype(param.dtype)
+        uniq, inverse = np.unique(indices, return_inverse=True)
+        u = len(uniq)
+        b = _bucket(u)
+
+        def take(leaf: Any) -> Any:
+            arr = np.asarray(leaf)
+            if arr.shape != shape:
+                return leaf
+            out = np.zeros((b,) + shape[1:], arr.dtype)
+            out[:u] = arr[uniq]
+            return out
+
+        p_rows, state_rows = take(param), jax.tree.map(take, state)
+        for idx, rows in pushes:
+            # This push's gradient on the read rows: its rows for those ids, summed in push order from
+            # +0.0 (as apply_rows_many sums them), zero on the rows it did not name.
+            g = np.zeros((b,) + shape[1:], dtype)
+            pos = np.searchsorted(uniq, idx)
+            hit = pos < u
+            hit[hit] = uniq[pos[hit]] == idx[hit]
+            np.add.at(g, pos[hit], rows[hit].astype(dtype, copy=False))
+            p_rows, state_rows = self._step(p_rows, state_rows, g)
+        return np.asarray(p_rows)[:u][inverse.reshape(-1)]
+
     def _zero_plan(self, param: Any, state: Any) -> bool:
         """Whether the zero-gradient passes of this variable's layout run in place (decided once per layout).
 

@@ -130,6 +130,10 @@ class _Variable:
     narrow: tuple[int, np.dtype, np.ndarray] | None = None
     #: The rows changed per export segment (set when the variable enters a store).
     changes: RowChanges | None = None
+    #: Exact row pushes ``(indices, rows)`` acknowledged (versions counted) but not yet in ``value`` and
+    #: ``opt_state``: applied in order, several per pass, by VariableStore._flush before anything reads
+    #: the whole variable or changes it otherwise; row reads compute the rows they would give.
+    pending: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
 
     def narrow_value(self, dtype: np.dtype) -> np.ndarray:
         """The value in ``dtype`` (call with the lock held); a new array per version, never written."""
@@ -150,22 +154,6 @@ class _Variable:
             self.value = np.array(self.value)
             self.readers = 0
         return self.value
-
-
-@dataclass(eq=False)
-class _Push:
-    """One push on its way through :meth:`VariableStore._apply_locked`: validated entries, then its result."""
-
-    vars_: list[_Variable]
-    updates: list[Update]
-    prepared: list[np.ndarray | None]
-    unique: list[_Variable]
-    update_id: str
-    digest: str
-    #: Taken by a push that holds this one's variables' locks, to apply it with its own.
-    taken: bool = False
-    versions: list[int] | None = None
-    error: BaseException | None = None
 
 
 @dataclass
@@ -215,11 +203,8 @@ class VariableStore:
         self._lock = threading.Lock()  # guards _vars membership and the dedupe tables
         self._applied: OrderedDict[str, str] = OrderedDict()  # update id -> push_digest of what it named
         self._in_progress: dict[str, threading.Event] = {}
-        #: Pushes waiting for their variables' locks that the push holding them may apply with its own
-        #: (exact row pushes: one pass over a table for several; see _apply_locked).
-        self._waiting: list[_Push] = []
-        #: Pushes applied in a pass over a table shared with other pushes (each counted once, whatever the
-        #: number of its tables that shared one; a counter for tests and metrics).
+        #: Exact row pushes (per variable: a push into two tables counts two) applied in a pass over their
+        #: table shared with other pushes (deferred; a counter for tests and metrics).
         self.shared_pass_pushes = 0
         self._dedupe_capacity = dedupe_capacity
         self.updates_applied = 0
@@ -382,6 +367,7 @@ class VariableStore:
         with ExitStack() as stack:
             for v in vars_:
                 stack.enter_context(v.lock)
+                self._flush(v)
             yield [(v.name, v.value, v.opt_state, v.version) for v in vars_]
 
     @contextmanager
@@ -441,9 +427,9 @@ class VariableStore:
                         if v.value is part.value and v.readers:
                             v.readers -= 1
 
-    @staticmethod
-    def _export_part(var: _Variable, union: Any) -> ExportPart:
+    def _export_part(self, var: _Variable, union: Any) -> ExportPart:
         """(Under ``var``'s lock.) ``var`` whole (a read snapshot: readers + 1) or its changed rows."""
+        self._flush(var)
         part = ExportPart(var.name, var.shape, var.dtype, var.version)
         ids = bitmap_ids(union, var.shape[0] if var.shape else 0) if var.shape else None
         if ids is None:
@@ -513,15 +499,23 @@ class VariableStore:
                 early: ReadResult | None = ReadResult(None, version, var.shape, out_dtype)
             elif indices is not None:
                 idx = self._check_indices(var, indices)
-                # A copy. np.take, not var.value[idx]: the same rows in about half the time (no
-                # general fancy-indexing machinery; measured on 4,096 rows of a 1M x 64 table).
-                rows = np.take(var.value, idx, axis=0)
+                if var.pending:
+                    # The rows the pending pushes give them, computed on those rows alone (the table
+                    # waits for its shared pass).
+                    assert var.optimizer is not None
+                    rows = var.optimizer.rows_after(var.value, var.opt_state, idx, var.pending)
+                else:
+                    # A copy. np.take, not var.value[idx]: the same rows in about half the time (no
+                    # general fancy-indexing machinery; measured on 4,096 rows of a 1M x 64 table).
+                    rows = np.take(var.value, idx, axis=0)
                 if narrow:
                     rows = rows.astype(out_dtype)
                 early = ReadResult(rows, version, (len(idx),) + var.shape[1:], out_dtype)
             elif narrow:
+                self._flush(var)
                 early = ReadResult(var.narrow_value(out_dtype), version, var.shape, out_dtype)  # never written
             else:
+                self._flush(var)
                 early = None
                 value = var.value
                 var.readers += 1
@@ -661,145 +655,74 @@ class VariableStore:
             vars_ = [self._get(u.name) for u in updates]
         prepared = [self._validate(v, u) for v, u in zip(vars_, updates)]
         unique = sorted({id(v): v for v in vars_}.values(), key=lambda v: v.name)
-        push = _Push(vars_, list(updates), prepared, unique, update_id, digest)
-        shares = any(self._shares_passes(v, u) for v, u in zip(vars_, updates))
-        if shares:
-            # Queued before taking the locks: the push holding them may apply this one with its own.
-            with self._lock:
-                self._waiting.append(push)
         with ExitStack() as stack:
             for v in unique:
                 stack.enter_context(v.lock)
-            if not shares:
-                return self._apply_held(push)
-            with self._lock:
-                group = [] if push.taken else self._take_group(push)
-            if group:
-                self._apply_group(group)
-        # Applied by this thread or, while it waited for the locks, by the push holding them.
-        if push.error is not None:
-            raise push.error
-        assert push.versions is not None
-        return push.versions
-
-    def _apply_held(self, push: _Push) -> list[int]:
-        """(With the push's variables' locks held.) Apply one push: each entry, replication, the record."""
-        versions = []
-        for var, upd, idx in zip(push.vars_, push.updates, push.prepared):
-            self._apply_one(var, upd, idx)
-            var.version += 1
-            versions.append(var.version)
-        try:
-            if self.replicate is not None:
-                self.replicate(push.updates, push.update_id)
-        finally:
-            # Recorded before the locks are released: a snapshot (checkpoint, backup
-            # sync) that contains this push's effect also contains its id. Recorded
-            # also when replication refused the push (this task stepped down, or
-            # became a backup meanwhile): the values here changed all the same, and
-            # the client's retry must find it applied if this task serves it again
-            # (the coordinator may keep it as the primary), not apply it twice.
-            self._record(push.unique, push.update_id, push.digest)
+            versions = []
+            for var, upd, idx in zip(vars_, updates, prepared):
+                self._apply_entry(var, upd, idx)
+                var.version += 1
+                versions.append(var.version)
+            try:
+                if self.replicate is not None:
+                    self.replicate(updates, update_id)
+            finally:
+                # Recorded before the locks are released: a snapshot (checkpoint, backup
+                # sync) that contains this push's effect also contains its id. Recorded
+                # also when replication refused the push (this task stepped down, or
+                # became a backup meanwhile): the values here changed all the same, and
+                # the client's retry must find it applied if this task serves it again
+                # (the coordinator may keep it as the primary), not apply it twice.
+                self._record(unique, update_id, digest)
         return versions
 
-    @property
-    def pushes_waiting(self) -> int:
-        """Exact row pushes queued for their variables' locks (the push holding them may apply them with its own)."""
-        with self._lock:
-            return len(self._waiting)
-
     @staticmethod
-    def _shares_passes(var: _Variable, upd: Update) -> bool:
-        """Whether ``upd`` is an exact-mode row push into a variable whose row pushes may share one pass
-        over it with other pushes' (:meth:`Optimizer.apply_rows_many`). Depends on the layout only."""
+    def _defers(var: _Variable, upd: Update) -> bool:
+        """Whether ``upd`` is an exact-mode row push into a variable whose row pushes are deferred and
+        applied several per pass (:meth:`Optimizer.batches_rows`). Depends on the layout only."""
         opt = var.optimizer
         return (upd.op is Op.SPARSE_APPLY_GRADIENT and opt is not None and not opt.lazy and opt.row_separable
                 and opt.batches_rows(jax.ShapeDtypeStruct(var.shape, var.dtype), var.opt_state))
 
-    def _take_group(self, leader: _Push) -> list[_Push]:
-        """(With ``_lock`` and the leader's variables' locks held.) The leader and the queued pushes it may
-        apply with its own (every variable they name among the leader's, so locked), in queue order,
-        at most ``MAX_PUSHES_PER_PASS``; taken off the queue."""
-        held = {id(v) for v in leader.unique}
-        group: list[_Push] = []
-        rest: list[_Push] = []
-        for p in self._waiting:
-            if (p is leader or len(group) < MAX_PUSHES_PER_PASS - 1) and all(id(v) in held for v in p.unique):
-                p.taken = True
-                group.append(p)
-            else:
-                rest.append(p)
-        self._waiting = rest
-        return group
-
-    def _apply_group(self, group: list[_Push]) -> None:
-        """(With every variable's lock of ``group`` held.) Apply the pushes as if one after the other in
-        ``group``'s order, each variable's run of consecutive exact row pushes in one pass over it; then
-        replicate and record each in that order. Each push gets its versions or its error."""
-        if len(group) == 1:
-            push = group[0]
-            try:
-                push.versions = self._apply_held(push)
-            except BaseException as e:  # handed to the push's own thread, which raises it
-                push.error = e
+    def _apply_entry(self, var: _Variable, upd: Update, idx: np.ndarray | None) -> None:
+        """(With ``var``'s lock held.) One entry of a push. An exact row push into a variable that defers
+        them joins its pending pushes (applied, several in one pass over the table, once
+        ``MAX_PUSHES_PER_PASS`` are pending or before anything reads more than rows of it); any other
+        change applies the pending pushes first, then itself."""
+        if idx is not None and self._defers(var, upd):
+            assert var.changes is not None
+            var.changes.mark_all()  # the dense rule moves every row
+            var.pending.append((idx, upd.value))
+            if len(var.pending) >= MAX_PUSHES_PER_PASS:
+                self._flush(var)
             return
-        for push in group:
-            push.versions = [0] * len(push.updates)
-        entries: dict[int, list[tuple[_Push, int]]] = {}
-        order: dict[int, _Variable] = {}
-        for push in group:
-            for i, var in enumerate(push.vars_):
-                entries.setdefault(id(var), []).append((push, i))
-                order[id(var)] = var
-        shared: set[int] = set()
-        try:
-            for key in sorted(order, key=lambda k: order[k].name):
-                var, seq = order[key], entries[key]
-                i = 0
-                while i < len(seq):
-                    j = i
-                    while j < len(seq) and self._shares_passes(var, seq[j][0].updates[seq[j][1]]):
-                        j += 1
-                    if j - i >= 2:
-                        run = seq[i:j]
-                        self._apply_rows_many(var, [(p.prepared[n], p.updates[n].value) for p, n in run])
-                        shared.update(id(p) for p, _ in run)
-                    else:
-                        j = i + 1
-                        one, n = seq[i]
-                        self._apply_one(var, one.updates[n], one.prepared[n])
-                    for push, entry in seq[i:j]:
-                        var.version += 1
-                        assert push.versions is not None
-                        push.versions[entry] = var.version
-                    i = j
-        except BaseException as e:
-            # As for one push that fails half way: nothing recorded or replicated, every push told.
-            for push in group:
-                push.error = e
-            return
-        self.shared_pass_pushes += len(shared)
-        for push in group:
-            try:
-                if self.replicate is not None:
-                    self.replicate(push.updates, push.update_id)
-            except BaseException as e:
-                push.error = e
-            finally:
-                self._record(push.unique, push.update_id, push.digest)
+        self._flush(var)
+        self._apply_one(var, upd, idx)
 
-    def _apply_rows_many(self, var: _Variable, pushes: list[tuple[np.ndarray | None, np.ndarray]]) -> None:
+    def _flush(self, var: _Variable) -> None:
+        """(With ``var``'s lock held.) Apply ``var``'s pending row pushes, in order, in one pass over it.
+        If that raises (XLA out of memory), they stay pending and the caller that needed them gets the
+        error; the value may be half written, as after any step that fails on the PS."""
+        if not var.pending:
+            return
+        n = len(var.pending)
+        self._apply_rows_many(var, var.pending)
+        var.pending = []
+        if n > 1:
+            with self._lock:  # flushes of different variables run at once
+                self.shared_pass_pushes += n
+
+    def _apply_rows_many(self, var: _Variable, pushes: list[tuple[np.ndarray, np.ndarray]]) -> None:
         """(With ``var``'s lock held.) Several exact-mode row pushes into ``var`` in one pass (see
         :meth:`Optimizer.apply_rows_many`), in place where :meth:`_apply_one`'s dense steps would be."""
-        assert var.optimizer is not None and var.changes is not None
-        var.changes.mark_all()  # the dense rule may move any row
+        assert var.optimizer is not None
         donate = var.device_value is not None and not var.readers
         start = var.device_value if var.device_value is not None else var.value
         if donate:
             var.value, var.device_value = _NO_VALUE, None  # see _apply_one
         try:
             var.value, var.device_value, var.opt_state = var.optimizer.apply_rows_many(
-                start, var.opt_state, [(idx, rows) for idx, rows in pushes if idx is not None], donate=donate)
+                start, var.opt_state, pushes, donate=donate)
         except BaseException:
             device: Any = start
             if var.value is _NO_VALUE and not device.is_deleted():
