@@ -32,8 +32,8 @@ and each result line carries the load average at its end.
 
 With ``--per-pass K`` each timed call applies K pushes: the separable variant in
 one pass over the table (``Optimizer.apply_rows_many``, as the store does for
-pushes queued behind one another), the dense variant one by one; the times
-reported are per push.
+the row pushes it defers, up to 8 per pass), the dense variant one by one; the
+times reported are per push.
 
 Usage: KERAS_BACKEND=jax python bench/exact_rows.py [--rows 5000000] [--dim 16] [--push 4096]
        [--pushes 15] [--per-pass 1] [--rules keras_adam,optax_adam] [--variants dense,separable]

@@ -21,8 +21,8 @@ are applied in one of two modes, chosen per optimizer:
   same values are computed with less memory traffic: the pushed rows' update
   on those rows alone, the dense rule with a zero gradient as two in-place
   passes (no table-sized gradient buffer), the rows written over it; and
-  several pushes queued for the variable share one pass (see
-  :meth:`Optimizer.apply_rows_many`).
+  several pushes share one pass (:meth:`Optimizer.apply_rows_many`; the store
+  defers them, see :mod:`jaxdist.ps_server.store`).
 - *lazy* (:func:`lazy_rows`, TF's ``LazyAdam``): only the rows named by the
   indices change, in the parameter and in every optimizer-state leaf shaped
   like the parameter; state leaves of other shapes (step counts) advance once
@@ -111,8 +111,8 @@ def row_separable(tx: optax.GradientTransformation) -> optax.GradientTransformat
     alone (their duplicate indices summed first), the dense rule with a zero
     gradient (no table-sized gradient is written and read back; the
     parameter's pass first, reading the old state, then the state's), and the
-    pushed rows written over its result; several pushes queued for one
-    variable share one such pass. The values are the unmarked transformation's
+    pushed rows written over its result; several pushes into one variable
+    share one such pass (the PS defers them, bit for bit the same values). The values are the unmarked transformation's
     (the dense rule on the gradient with the rows scattered into zeros, push
     after push). The PS does so for variables of at least ``SEPARABLE_MIN_SIZE``
     elements whose state's zero-gradient update never reads the parameter and

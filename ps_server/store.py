@@ -20,6 +20,13 @@ Contract:
 - Values handed out by :meth:`read` are snapshots: later updates never change
   an array a reader already holds (dense updates build new arrays; in-place
   row updates copy first while a reader holds the array).
+- Exact row pushes into a variable whose rule takes the three-step path
+  (:meth:`Optimizer.batches_rows`) are deferred: acknowledged, counted in the
+  version, recorded and replicated at the push, applied up to
+  ``MAX_PUSHES_PER_PASS`` at a time in one pass over the variable. A row read
+  computes their effect on its rows; a whole read, a snapshot, an export cut
+  or any other change of the variable applies them first. Every read sees
+  the pushes applied one after the other, bit for bit.
 - Every change is tracked for incremental exports (:attr:`VariableStore.changes`,
   :mod:`jaxdist.ps_server.export_rows`): a push marks the rows it changes (or the
   whole variable) under the variable's lock, while it applies them;
@@ -692,7 +699,8 @@ class VariableStore:
         if idx is not None and self._defers(var, upd):
             assert var.changes is not None
             var.changes.mark_all()  # the dense rule moves every row
-            var.pending.append((idx, upd.value))
+            # Copies (rows, not tables): the caller's arrays are its own again once the push returns.
+            var.pending.append((np.array(idx, copy=True), np.array(upd.value, copy=True)))
             if len(var.pending) >= MAX_PUSHES_PER_PASS:
                 self._flush(var)
             return
