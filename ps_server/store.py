@@ -702,7 +702,11 @@ class VariableStore:
             # Copies (rows, not tables): the caller's arrays are its own again once the push returns.
             var.pending.append((np.array(idx, copy=True), np.array(upd.value, copy=True)))
             if len(var.pending) >= MAX_PUSHES_PER_PASS:
-                self._flush(var)
+                try:
+                    self._flush(var)
+                except BaseException:
+                    var.pending.pop()  # this push is not acknowledged: its retry must not find it pending
+                    raise
             return
         self._flush(var)
         self._apply_one(var, upd, idx)

@@ -160,3 +160,31 @@ def test_lazy_and_unmarked_pushes_are_applied_at_once() -> None:
             s.apply([_push(rng, 5)[0]], f"a{i}")
         s.read("emb")
         assert s.shared_pass_pushes == 0
+
+
+def test_a_failed_pass_leaves_the_push_unacknowledged_and_its_retry_applies_it_once() -> None:
+    deferred, plain, rng = _pair("adam", 11)
+    opt = deferred.optimizer_of("emb")
+    assert opt is not None
+    real = opt.apply_rows_many
+    calls = {"n": 0}
+
+    def fail_once(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise MemoryError("XLA could not allocate")
+        return real(*args, **kwargs)
+
+    opt.apply_rows_many = fail_once  # type: ignore[method-assign]
+    pushes = [_push(rng, 10) for _ in range(MAX_PUSHES_PER_PASS)]
+    for i, updates in enumerate(pushes[:-1]):
+        for s in (deferred, plain):
+            s.apply(updates, f"f{i}")
+    last = f"f{MAX_PUSHES_PER_PASS - 1}"
+    with pytest.raises(MemoryError):
+        deferred.apply(pushes[-1], last)  # the pass its arrival starts fails: not acknowledged, not recorded
+    assert not deferred.was_applied(last)
+    assert deferred.apply(pushes[-1], last)[1] is False  # the client's retry: applied, once
+    plain.apply(pushes[-1], last)
+    for got, want in zip(_snapshot(deferred), _snapshot(plain), strict=True):
+        _same(got, want, "snapshot")
