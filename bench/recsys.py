@@ -302,7 +302,7 @@ def run_jaxdist(config: str, args: argparse.Namespace) -> dict[str, Any]:
         def moved() -> tuple[int, int, dict[str, dict[str, int]], tuple[float, float]]:
             c = [cl.status().counters for cl in strategy.connections.clients]
             return (sum(x["bytes_pulled"] for x in c), sum(x["bytes_pushed"] for x in c), dynamic_stats(),
-                    (sum(x["updates_applied"] for x in c), sum(x.get("shared_pass_pushes", 0.0) for x in c)))
+                    (sum(x["updates_applied"] for x in c), sum(x["shared_pass_pushes"] for x in c)))
 
         marks: list[tuple[float, Any]] = []
         clock = _clock(keras, marks, moved)

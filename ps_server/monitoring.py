@@ -36,7 +36,7 @@ class PSCollector(Collector):
         yield counter("jaxdist_ps_updates_applied", "Atomic pushes applied to the store (rate() = updates/s)",
                       float(store.updates_applied))
         yield counter("jaxdist_ps_shared_pass_pushes", "Exact row pushes applied in a pass over a table shared with other "
-                      "pushes (queued behind one another)", float(store.shared_pass_pushes))
+                      "pushes (deferred; a push into two tables counts two)", float(store.shared_pass_pushes))
         yield GaugeMetricFamily("jaxdist_ps_variables", "Variables (shards) held by this PS", value=float(len(store.info())))
         r = sv.replication
         yield GaugeMetricFamily("jaxdist_ps_replica_role", "Replication role: 0 primary, 1 backup, 2 deposed",

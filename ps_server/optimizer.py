@@ -368,14 +368,27 @@ class Optimizer:
         and ``state``), without changing either: bit for bit what :meth:`apply_rows_many` would give
         those rows (the same per-push gradients on the gathered rows, the same jitted step, push after
         push). ``indices``: int64, rank 1, repeats allowed; returns a new array, one row per index."""
+        uniq, inverse = np.unique(indices, return_inverse=True)
+        p_rows, _ = self._rows_stepped(param, state, uniq, pushes)
+        return np.asarray(p_rows)[: len(uniq)][inverse.reshape(-1)]
+
+    def _rows_stepped(self, param: Any, state: Any, uniq: np.ndarray,
+                      pushes: Sequence[tuple[np.ndarray, np.ndarray]]) -> tuple[Any, Any]:
+        """Rows ``uniq`` (sorted, distinct) of the parameter and of the state leaves shaped like it,
+        gathered and padded to a bucket, after one step of the rule per push: the push's gradient on
+        those rows (its rows for those ids, duplicates summed in push order from +0.0 in the
+        parameter's dtype, as the dense scatter-add sums them), zero on the rows it did not name (the
+        zero step's arithmetic, as on every row it did not name). Steps with the dense step's own
+        jitted function, the same fused arithmetic as the dense step's, so the rows round as they
+        would there. Padding rows (zero gradient, parameter and state) are computed, never meant to be
+        written back. Returns ``(parameter rows, state)``: the state's other leaves stepped too."""
         shape = np.shape(param)
         dtype = np.dtype(param.dtype)
-        uniq, inverse = np.unique(indices, return_inverse=True)
         u = len(uniq)
         b = _bucket(u)
 
         def take(leaf: Any) -> Any:
-            arr = np.asarray(leaf)
+            arr = np.asarray(leaf)  # a view of an XLA array on CPU, dropped on return (before any donation)
             if arr.shape != shape:
                 return leaf
             out = np.zeros((b,) + shape[1:], arr.dtype)
@@ -384,15 +397,13 @@ class Optimizer:
 
         p_rows, state_rows = take(param), jax.tree.map(take, state)
         for idx, rows in pushes:
-            # This push's gradient on the read rows: its rows for those ids, summed in push order from
-            # +0.0 (as apply_rows_many sums them), zero on the rows it did not name.
             g = np.zeros((b,) + shape[1:], dtype)
             pos = np.searchsorted(uniq, idx)
             hit = pos < u
             hit[hit] = uniq[pos[hit]] == idx[hit]
             np.add.at(g, pos[hit], rows[hit].astype(dtype, copy=False))
             p_rows, state_rows = self._step(p_rows, state_rows, g)
-        return np.asarray(p_rows)[:u][inverse.reshape(-1)]
+        return p_rows, state_rows
 
     def _zero_plan(self, param: Any, state: Any) -> bool:
         """Whether the zero-gradient passes of this variable's layout run in place (decided once per layout).
@@ -434,37 +445,12 @@ class Optimizer:
         the rows any of them names (gathered; k steps, each with its push's gradient, zero for the
         others' rows), the k zero-gradient dense steps (the parameter's pass, then the state's; donated
         when allowed), then those rows written over their result."""
-        shape = param.shape
         k = len(pushes)
-        all_ids = np.concatenate([np.asarray(idx, np.int64) for idx, _ in pushes])
-        uniq = np.unique(all_ids)
-        u = len(uniq)
-        b = _bucket(u)
-        # Each push's gradient on the gathered rows: its duplicates summed in push order from +0.0 in
-        # the parameter's dtype, as the dense scatter-add sums them; zero on the other pushes' rows (the
-        # zero step's arithmetic, as on every row it did not name). Padding rows (zero gradient, zero
-        # parameter and state) are computed and never written back (their indices are past the table).
-        grads = []
-        for idx, rows in pushes:
-            g = np.zeros((b,) + shape[1:], param.dtype)
-            np.add.at(g, np.searchsorted(uniq, idx), rows.astype(param.dtype, copy=False))
-            grads.append(g)
-        uniq_p = np.full(b, shape[0], np.int64)
-        uniq_p[:u] = uniq
-
-        def take(leaf: Any) -> Any:
-            arr = np.asarray(leaf)  # a view of an XLA array on CPU, dropped before the dense step donates it
-            if arr.shape != shape:
-                return leaf
-            out = np.zeros((b,) + shape[1:], arr.dtype)
-            out[:u] = arr[uniq]
-            return out
-
-        # The rule on the rows with the dense step's own jitted function (the same fused arithmetic
-        # as the dense step's, so the rows round as they would there), one step per push.
-        p_rows, state_rows = take(param), jax.tree.map(take, state)
-        for g in grads:
-            p_rows, state_rows = self._step(p_rows, state_rows, g)
+        uniq = np.unique(np.concatenate([np.asarray(idx, np.int64) for idx, _ in pushes]))
+        p_rows, state_rows = self._rows_stepped(param, state, uniq, pushes)
+        # Padding rows point past the table: never written back.
+        uniq_p = np.full(_bucket(len(uniq)), param.shape[0], np.int64)
+        uniq_p[: len(uniq)] = uniq
         zero = np.zeros((), param.dtype)
         in_place = donate and _donatable(param, state)
         # The parameter's pass reads the old state; only then may the state's pass overwrite it

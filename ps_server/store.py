@@ -688,7 +688,7 @@ class VariableStore:
         """Whether ``upd`` is an exact-mode row push into a variable whose row pushes are deferred and
         applied several per pass (:meth:`Optimizer.batches_rows`). Depends on the layout only."""
         opt = var.optimizer
-        return (upd.op is Op.SPARSE_APPLY_GRADIENT and opt is not None and not opt.lazy and opt.row_separable
+        return (upd.op is Op.SPARSE_APPLY_GRADIENT and opt is not None
                 and opt.batches_rows(jax.ShapeDtypeStruct(var.shape, var.dtype), var.opt_state))
 
     def _apply_entry(self, var: _Variable, upd: Update, idx: np.ndarray | None) -> None:
